@@ -1,0 +1,43 @@
+"""torchrig: one PyTorch training program, unchanged, on any hardware and any number of processes."""
+
+from __future__ import annotations
+
+from torchrig.accelerators import (
+    ACCELERATOR_REGISTRY,
+    Accelerator,
+    CPUAccelerator,
+    TorchDeviceAccelerator,
+    XLAAccelerator,
+)
+from torchrig.collections import move_to_device
+from torchrig.devices import current_device_index, device_index, set_device_index
+from torchrig.diagnostics import DeviceMismatchError
+from torchrig.precision import PRECISIONS, Precision
+from torchrig.resolve import Plan, resolve
+from torchrig.rig import Rig, seed_everything
+from torchrig.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy, Strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACCELERATOR_REGISTRY",
+    "PRECISIONS",
+    "STRATEGY_REGISTRY",
+    "Accelerator",
+    "CPUAccelerator",
+    "DeviceMismatchError",
+    "Plan",
+    "Precision",
+    "Rig",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "TorchDeviceAccelerator",
+    "XLAAccelerator",
+    "__version__",
+    "current_device_index",
+    "device_index",
+    "move_to_device",
+    "resolve",
+    "seed_everything",
+    "set_device_index",
+]

@@ -1,0 +1,132 @@
+"""One generic accelerator for every device type PyTorch knows through ``torch.accelerator``.
+
+CUDA (and ROCm), MPS, XPU, and any PrivateUse1 backend (``npu``, ``hpu``, or one renamed with
+``torch.utils.rename_privateuse1_backend``) are served by the same class: the device module comes
+from ``torch.get_device_module(device_type)``, so no vendor needs an ``if`` of its own.
+"""
+
+from __future__ import annotations
+
+import platform
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from torchrig.accelerators.base import Accelerator
+from torchrig.devices import select_indices
+
+
+def device_module(device_type: str) -> ModuleType | None:
+    """``torch.cuda``, ``torch.mps``, ``torch.xpu``, ``torch.<privateuse1>``..., or None."""
+    try:
+        return torch.get_device_module(device_type)
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+def torch_build() -> str:
+    """A short description of this PyTorch build, for messages and ``torchrig env``."""
+    if torch.version.cuda:
+        return f"torch {torch.__version__} built with CUDA {torch.version.cuda}"
+    if getattr(torch.version, "hip", None):
+        return f"torch {torch.__version__} built with ROCm {torch.version.hip}"
+    if getattr(torch.version, "xpu", None):
+        return f"torch {torch.__version__} built with XPU {torch.version.xpu}"
+    return f"torch {torch.__version__} (a build with no CUDA/ROCm/XPU)"
+
+
+class TorchDeviceAccelerator(Accelerator):
+    """Any ``torch.accelerator`` device type, named by ``device_type``.
+
+    Args:
+        device_type: the ``torch.device`` type, such as ``"cuda"``, ``"xpu"``, ``"mps"``, ``"npu"``.
+
+    Example:
+        >>> acc = TorchDeviceAccelerator(device_type="cuda")
+        >>> acc.device_type
+        'cuda'
+    """
+
+    def __init__(self, *, device_type: str) -> None:
+        self.device_type = device_type  # type: ignore[misc]
+
+    # The Accelerator API declares these static; this class serves many device types, so they
+    # are instance methods (call them on an instance: ``ACCELERATOR_REGISTRY.get("cuda")``).
+    def parse_devices(self, devices: Any) -> list[int]:  # type: ignore[override]
+        return select_indices(devices, device_type=self.device_type, available=self.auto_device_count())
+
+    def get_parallel_devices(self, devices: Any) -> list[torch.device]:  # type: ignore[override]
+        if not (isinstance(devices, list) and all(isinstance(i, int) for i in devices)):
+            devices = self.parse_devices(devices)
+        return [torch.device(self.device_type, i) for i in devices]
+
+    def auto_device_count(self) -> int:  # type: ignore[override]
+        if not self.is_available():
+            return 0
+        mod = device_module(self.device_type)
+        count = getattr(mod, "device_count", None)
+        return int(count()) if callable(count) else 1
+
+    def is_available(self) -> bool:  # type: ignore[override]
+        mod = device_module(self.device_type)
+        check = getattr(mod, "is_available", None)
+        try:
+            return bool(check()) if callable(check) else False
+        except Exception:
+            return False
+
+    def unavailable_reason(self) -> str:
+        if self.is_available():
+            return ""
+        t = self.device_type
+        if t == "cuda":
+            if not (torch.version.cuda or getattr(torch.version, "hip", None)):
+                return f"this PyTorch build has no CUDA: {torch_build()}; install a CUDA build of torch"
+            return f"{torch_build()}, but no CUDA device is visible (driver, or CUDA_VISIBLE_DEVICES)"
+        if t == "mps":
+            return f"MPS needs macOS on Apple silicon; this is {platform.system()} {platform.machine()}"
+        if t == "xpu" and not getattr(torch.version, "xpu", None):
+            return f"this PyTorch build has no XPU support: {torch_build()}"
+        if device_module(t) is None:
+            return f"PyTorch has no device module for {t!r} (the backend's package is not imported)"
+        return f"torch.{t}.is_available() returned False"
+
+    def get_device_stats(self, device: str | torch.device) -> dict[str, Any]:
+        """What ``torch.accelerator.memory`` offers: allocated, reserved, peak, free/total."""
+        device = torch.device(device)
+        acc = torch.accelerator
+        stats: dict[str, Any] = {}
+        for key, fn in (
+            ("allocated_bytes", "memory_allocated"),
+            ("reserved_bytes", "memory_reserved"),
+            ("peak_allocated_bytes", "max_memory_allocated"),
+            ("peak_reserved_bytes", "max_memory_reserved"),
+        ):
+            f = getattr(acc, fn, None) or getattr(device_module(self.device_type), fn, None)
+            if callable(f):
+                try:
+                    stats[key] = int(f(device))
+                except Exception:
+                    continue
+        info = getattr(acc, "get_memory_info", None)
+        if callable(info):
+            try:
+                free, total = info(device)
+                stats["free_bytes"], stats["total_bytes"] = int(free), int(total)
+            except Exception:
+                pass
+        return stats
+
+    def setup_device(self, device: torch.device) -> None:
+        if device.index is not None:
+            torch.accelerator.set_device_index(device.index)
+
+    def teardown(self) -> None:
+        mod = device_module(self.device_type)
+        empty = getattr(mod, "empty_cache", None)
+        if callable(empty) and self.is_available():
+            empty()
+
+    def __repr__(self) -> str:
+        return f"TorchDeviceAccelerator(device_type={self.device_type!r})"

@@ -1,0 +1,195 @@
+"""Prepared dataloaders: batches on the device, a resumable position, and sharding.
+
+A prepared loader yields batches already on ``rig.device``. Shuffled (or distributed) loaders
+get a :class:`ResumableSampler` whose order depends only on ``(seed, epoch)``, so a run resumed
+from a checkpoint sees exactly the batches the uninterrupted run would have seen, and N
+processes together see the same global batches as one process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
+
+from torchrig.collections import move_to_device
+
+
+class ResumableSampler(Sampler[int]):
+    """A permutation per ``(seed, epoch)``, split across ``num_replicas`` ranks, able to skip ahead.
+
+    With ``num_replicas=R`` rank ``r`` takes every R-th index starting at ``r``, so the
+    per-rank batches of one step together hold the same samples as the single-process batch
+    of ``R`` times the size (the dataset is padded by repeating indices when it does not split
+    evenly, unless ``drop_last``).
+    """
+
+    def __init__(
+        self,
+        data_source: Sized,
+        *,
+        shuffle: bool,
+        seed: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        self.data_source = data_source
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.skip = 0
+        n = len(data_source)
+        if drop_last and n % num_replicas:
+            self.num_samples = n // num_replicas
+        else:
+            self.num_samples = math.ceil(n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def indices(self) -> list[int]:
+        n = len(self.data_source)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        if self.total_size > n:
+            order += (order * math.ceil(self.total_size / n))[: self.total_size - n]
+        order = order[: self.total_size]
+        return order[self.rank : self.total_size : self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices()[self.skip :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+def _loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        kw["prefetch_factor"] = loader.prefetch_factor
+    if getattr(loader, "pin_memory_device", ""):
+        kw["pin_memory_device"] = loader.pin_memory_device
+    return kw
+
+
+def rebuild_with_sampler(
+    loader: DataLoader[Any], *, seed: int, num_replicas: int, rank: int, pin_memory: bool
+) -> DataLoader[Any] | None:
+    """The same loader with a :class:`ResumableSampler`; None when it cannot be rebuilt.
+
+    Loaders with a custom batch sampler, an iterable dataset, or a sampler that is neither
+    random nor sequential are left alone (their order is theirs to control).
+    """
+    bs = loader.batch_sampler
+    if not isinstance(bs, BatchSampler) or type(bs) is not BatchSampler:
+        return None
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        return None
+    if isinstance(loader.sampler, RandomSampler) and (
+        loader.sampler.replacement or loader.sampler._num_samples is not None
+    ):
+        return None
+    sampler = ResumableSampler(
+        loader.dataset,  # type: ignore[arg-type]
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,
+        num_replicas=num_replicas,
+        rank=rank,
+        drop_last=bs.drop_last,
+    )
+    kw = _loader_kwargs(loader)
+    kw["pin_memory"] = kw["pin_memory"] or pin_memory
+    return DataLoader(loader.dataset, batch_size=bs.batch_size, sampler=sampler, drop_last=bs.drop_last, **kw)
+
+
+class RigDataLoader:
+    """Wraps a DataLoader: yields batches on ``device`` and remembers its place for checkpoints.
+
+    ``len()``, ``dataset``, ``batch_size`` and ``sampler`` come from the wrapped loader. Each
+    ``iter()`` starts a new epoch (``set_epoch`` is called for you); ``state_dict`` records the
+    epoch and how many batches of it were consumed, and ``load_state_dict`` makes the next
+    ``iter()`` continue right after them.
+    """
+
+    def __init__(self, loader: DataLoader[Any], *, device: torch.device, seed: int = 0) -> None:
+        self.loader = loader
+        self.device = device
+        self.seed = seed
+        self.epoch = -1
+        self.batches_seen = 0
+        self._resume_at: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` run epoch ``epoch`` (normally counted for you)."""
+        self._resume_at = (epoch, 0)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._resume_at is not None:
+            self.epoch, skip = self._resume_at
+            self._resume_at = None
+        else:
+            self.epoch, skip = self.epoch + 1, 0
+        sampler = self.loader.sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)
+        if isinstance(sampler, ResumableSampler):
+            sampler.skip = skip * (self.loader.batch_size or 1)
+            self.batches_seen = skip
+            skip = 0
+        else:
+            self.batches_seen = 0
+        device = self.device
+        it = iter(self.loader)
+        try:
+            for _ in range(skip):  # a loader we could not rebuild: skip by reading
+                next(it)
+                self.batches_seen += 1
+            for batch in it:
+                self.batches_seen += 1
+                yield move_to_device(batch, device)
+        finally:
+            if isinstance(sampler, ResumableSampler):
+                sampler.skip = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batches_seen", "seed"}``: where the next batch comes from."""
+        return {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        epoch, seen = int(state["epoch"]), int(state["batches_seen"])
+        self.seed = int(state.get("seed", self.seed))
+        if isinstance(self.loader.sampler, ResumableSampler):
+            self.loader.sampler.seed = self.seed
+        if epoch >= 0 and seen >= len(self.loader):
+            epoch, seen = epoch + 1, 0
+        self._resume_at = (max(epoch, 0), seen)
+        self.epoch, self.batches_seen = epoch, seen

@@ -1,0 +1,202 @@
+"""Precision: module conversion, the autocast context, and the GradScaler for fp16-mixed.
+
+One small class serves every device type through ``torch.amp.autocast(device_type)`` and
+``torch.amp.GradScaler(device_type)``. A precision the device cannot do is an error that lists
+what it can do: torchrig never falls back to fp32 behind your back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchrig.collections import apply_to_tensors
+
+PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+_TRUE_DTYPES = {
+    "32-true": torch.float32,
+    "64-true": torch.float64,
+    "16-true": torch.float16,
+    "bf16-true": torch.bfloat16,
+}
+_MIXED_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+def normalize_precision(precision: Any) -> str:
+    """Map ``32``, ``"16"``, ``"bf16"``... to the canonical names; anything else is an error."""
+    if isinstance(precision, bool) or not isinstance(precision, (int, str)):
+        raise TypeError(
+            f"precision={precision!r} must be a string such as 'bf16-mixed'; choose from {', '.join(PRECISIONS)}"
+        )
+    name = ALIASES.get(str(precision), str(precision))
+    if name not in PRECISIONS and name != "auto":
+        import difflib
+
+        hint = difflib.get_close_matches(name, PRECISIONS + tuple(ALIASES), n=1)
+        extra = f" Did you mean {hint[0]!r}?" if hint else ""
+        raise ValueError(f"unknown precision={precision!r}; choose from {', '.join(PRECISIONS)} or 'auto'.{extra}")
+    return name
+
+
+def _probe_dtype(device_type: str, dtype: torch.dtype) -> bool:
+    if device_type == "cpu":
+        return True
+    mod = None
+    try:
+        mod = torch.get_device_module(device_type)
+    except Exception:
+        pass
+    if dtype is torch.bfloat16 and mod is not None and hasattr(mod, "is_bf16_supported"):
+        try:
+            return bool(mod.is_bf16_supported())
+        except Exception:
+            return False
+    try:
+        torch.ones(1, dtype=dtype, device=device_type)
+        return True
+    except Exception:
+        return False
+
+
+def supported_precisions(device_type: str) -> list[str]:
+    """The precisions ``device_type`` can run, probed on the device itself."""
+    out = ["32-true"]
+    if device_type not in ("mps", "xla"):
+        out.append("64-true")
+    autocast = torch.amp.autocast_mode.is_autocast_available(device_type)
+    for half in ("16", "bf16"):
+        dtype = torch.float16 if half == "16" else torch.bfloat16
+        if not _probe_dtype(device_type, dtype):
+            continue
+        if autocast:
+            out.append(f"{half}-mixed")
+        out.append(f"{half}-true")
+    return out
+
+
+def auto_precision(device_type: str) -> str:
+    """``precision="auto"``: bf16-mixed where the device has native bf16, else 32-true.
+
+    The CPU gets 32-true: its bf16 autocast works (you may ask for it) but on most CPUs it is
+    emulated and slower than fp32, so it is never chosen for you.
+    """
+    if device_type != "cpu" and "bf16-mixed" in supported_precisions(device_type):
+        return "bf16-mixed"
+    return "32-true"
+
+
+class Precision:
+    """The dtypes of a run on one device type.
+
+    Args:
+        name: one of :data:`PRECISIONS`.
+        device_type: the ``torch.device`` type the run uses.
+
+    Example:
+        >>> p = Precision(name="bf16-mixed", device_type="cpu")
+        >>> with p.autocast():
+        ...     y = torch.nn.Linear(2, 2)(torch.ones(1, 2))
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    def __init__(self, *, name: str, device_type: str) -> None:
+        self.name = normalize_precision(name)
+        self.device_type = device_type
+        if self.name == "auto":
+            self.name = auto_precision(device_type)
+        can = supported_precisions(device_type)
+        if self.name not in can:
+            raise ValueError(
+                f"precision={self.name!r} is not supported on {device_type}; {device_type} supports: {', '.join(can)}"
+            )
+        self.param_dtype: torch.dtype | None = _TRUE_DTYPES.get(self.name)
+        self.autocast_dtype: torch.dtype | None = _MIXED_DTYPES.get(self.name)
+        self.scaler: torch.amp.GradScaler | None = (
+            torch.amp.GradScaler(device_type) if self.name == "16-mixed" else None
+        )
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.autocast_dtype is not None
+
+    @property
+    def converts(self) -> bool:
+        """True when parameters live in a dtype other than fp32 (``16-true``, ``bf16-true``, ``64-true``)."""
+        return self.param_dtype not in (None, torch.float32)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast the module's floating parameters and buffers for ``*-true`` precisions."""
+        return module.to(dtype=self.param_dtype) if self.converts else module
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The autocast context of mixed precisions; a no-op otherwise."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    @contextlib.contextmanager
+    def init_context(self) -> Iterator[None]:
+        """Create floating tensors in the parameter dtype (used by ``Rig.init_module``)."""
+        if not self.converts:
+            yield
+            return
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(self.param_dtype)  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(old)
+
+    def convert_input(self, data: Any) -> Any:
+        """Cast floating inputs to the parameter dtype (``*-true`` precisions)."""
+        if not self.converts:
+            return data
+        dtype = self.param_dtype
+        return apply_to_tensors(data, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    def convert_output(self, data: Any) -> Any:
+        """Cast half-precision outputs back to fp32 so the loss is computed in full precision."""
+        if self.param_dtype not in (torch.float16, torch.bfloat16):
+            return data
+        return apply_to_tensors(data, lambda t: t.float() if t.is_floating_point() else t)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled by the GradScaler under fp16-mixed."""
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the gradients of ``optimizer`` in place (once per step) before clipping."""
+        if self.scaler is None:
+            return
+        state = self.scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"].name != "UNSCALED":
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        """Step ``optimizer``; under fp16-mixed the GradScaler skips steps with inf/NaN gradients."""
+        if self.scaler is None:
+            return optimizer.step(closure) if closure is not None else optimizer.step()
+        if closure is not None:
+            raise ValueError("precision='16-mixed' cannot step with a closure (GradScaler does not support it)")
+        out = self.scaler.step(optimizer)
+        self.scaler.update()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"Precision(name={self.name!r}, device_type={self.device_type!r})"

@@ -1,0 +1,174 @@
+"""Resolution: the user's strings -> one frozen plan. The one place that validates combinations.
+
+``Rig`` and ``Trainer`` both call :func:`resolve`; every error message about a bad
+``accelerator=``, ``devices=``, ``strategy=``, ``precision=`` or ``num_nodes=`` is written here
+(or in :mod:`torchrig.devices` / :mod:`torchrig.precision`, which it calls).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchrig.accelerators import ACCELERATOR_REGISTRY, Accelerator, ensure_registered
+from torchrig.precision import Precision
+from torchrig.strategies import STRATEGY_REGISTRY, Strategy
+
+#: Environment variables that ``torchrig run`` sets and ``Rig()``/``Trainer()`` read as defaults.
+ENV_DEFAULTS = {
+    "accelerator": "TORCHRIG_ACCELERATOR",
+    "devices": "TORCHRIG_DEVICES",
+    "strategy": "TORCHRIG_STRATEGY",
+    "precision": "TORCHRIG_PRECISION",
+    "num_nodes": "TORCHRIG_NUM_NODES",
+}
+DEFAULTS: dict[str, Any] = {
+    "accelerator": "auto",
+    "devices": "auto",
+    "strategy": "auto",
+    "precision": "32-true",
+    "num_nodes": 1,
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run uses: the accelerator, strategy and precision, side by side."""
+
+    accelerator: Accelerator
+    strategy: Strategy
+    precision: Precision
+    devices: tuple[torch.device, ...]
+    num_nodes: int
+
+
+def default(name: str, value: Any) -> Any:
+    """``value`` if given, else the ``TORCHRIG_*`` environment variable, else the default."""
+    if value is not None:
+        return value
+    env = os.environ.get(ENV_DEFAULTS[name])
+    if env:
+        return int(env) if name == "num_nodes" else env
+    return DEFAULTS[name]
+
+
+def auto_accelerator_name() -> str:
+    """What ``accelerator="auto"`` selects: ``torch.accelerator.current_accelerator()``, else cpu."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None:
+        return "cpu"
+    ensure_registered(acc.type)
+    return acc.type
+
+
+def resolve_accelerator(accelerator: Any) -> Accelerator:
+    """An :class:`Accelerator` from a name, a class, or an instance."""
+    if isinstance(accelerator, Accelerator):
+        acc = accelerator
+    elif isinstance(accelerator, type) and issubclass(accelerator, Accelerator):
+        acc = accelerator()
+    elif isinstance(accelerator, str):
+        acc = _accelerator_by_name(accelerator.strip().lower())
+    else:
+        raise TypeError(
+            f"accelerator={accelerator!r} must be a name ({', '.join(ACCELERATOR_REGISTRY.names())}, "
+            "auto, gpu) or an Accelerator instance"
+        )
+    if not acc.is_available():
+        available = ", ".join(ACCELERATOR_REGISTRY.available_accelerators())
+        raise ValueError(
+            f"accelerator={acc.name()!r} is not available: {acc.unavailable_reason()}. "
+            f"Available here: {available}; or use accelerator='auto'"
+        )
+    return acc
+
+
+def _accelerator_by_name(name: str) -> Accelerator:
+    if name == "auto":
+        name = auto_accelerator_name()
+    elif name == "gpu":
+        found = auto_accelerator_name()
+        if found == "cpu":
+            reasons = "; ".join(
+                f"{t}: {ACCELERATOR_REGISTRY.get(t).unavailable_reason()}" for t in ("cuda", "mps", "xpu")
+            )
+            raise ValueError(f"accelerator='gpu' found no GPU ({reasons}); use accelerator='cpu' or 'auto'")
+        name = found
+    elif name not in ACCELERATOR_REGISTRY:
+        ensure_registered(name)
+    return ACCELERATOR_REGISTRY.get(name)
+
+
+def resolve_devices(acc: Accelerator, devices: Any) -> list[torch.device]:
+    """The device of every local process, validated against what the machine has."""
+    if devices in ("auto", -1, "-1") or (isinstance(devices, str) and devices.strip().lower() == "auto"):
+        count = acc.auto_device_count()
+        if count < 1:
+            raise ValueError(f"devices={devices!r}: the {acc.name()} accelerator reports no device")
+        devices = count
+    parsed = acc.parse_devices(devices)
+    try:
+        found = acc.get_parallel_devices(parsed)
+    except TypeError:
+        if not isinstance(parsed, int):
+            raise
+        # A user accelerator (like the reference XPU example) may expect indices, not a count.
+        found = acc.get_parallel_devices(list(range(parsed)))
+    return [torch.device(d) for d in found]
+
+
+def resolve_strategy(strategy: Any, devices: list[torch.device], num_nodes: int) -> Strategy:
+    """A :class:`Strategy` from a name or an instance, checked against the devices."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy={strategy!r} must be a name ({', '.join(STRATEGY_REGISTRY.names())}) or a Strategy")
+    name = strategy.strip().lower()
+    if name == "auto":
+        name = "single" if len(devices) == 1 and num_nodes == 1 and _launched_world_size() == 1 else "ddp"
+    if name == "single" and (len(devices) > 1 or num_nodes > 1):
+        raise ValueError(
+            f"strategy='single' runs one process on one device, but {len(devices)} device(s) on "
+            f"{num_nodes} node(s) were asked for; use strategy='ddp' (or 'fsdp'), or devices=1"
+        )
+    return STRATEGY_REGISTRY.get(name)
+
+
+def _launched_world_size() -> int:
+    """WORLD_SIZE of a job started by torchrun/SLURM around this process (1 when none)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def resolve(
+    *,
+    accelerator: Any = None,
+    devices: Any = None,
+    strategy: Any = None,
+    precision: Any = None,
+    num_nodes: Any = None,
+) -> Plan:
+    """Turn user choices (``None`` = environment default, then built-in default) into a Plan.
+
+    Example:
+        >>> plan = resolve(accelerator="cpu", precision="bf16")
+        >>> plan.precision.name, plan.strategy
+        ('bf16-mixed', SingleDeviceStrategy())
+    """
+    nodes = default("num_nodes", num_nodes)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"num_nodes={nodes!r} must be a positive int (the number of machines)")
+    acc = resolve_accelerator(default("accelerator", accelerator))
+    devs = resolve_devices(acc, default("devices", devices))
+    strat = resolve_strategy(default("strategy", strategy), devs, nodes)
+    prec = Precision(name=default("precision", precision), device_type=devs[0].type)
+    strat.accelerator = acc
+    strat.parallel_devices = devs
+    strat.precision = prec
+    strat.num_nodes = nodes
+    return Plan(accelerator=acc, strategy=strat, precision=prec, devices=tuple(devs), num_nodes=nodes)

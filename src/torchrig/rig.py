@@ -1,0 +1,347 @@
+"""``Rig``: the low-level API a hand-written PyTorch loop adds to run anywhere."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.utils.data import DataLoader
+
+from torchrig.accelerators import Accelerator
+from torchrig.collections import move_to_device
+from torchrig.data import RigDataLoader, rebuild_with_sampler
+from torchrig.precision import Precision
+from torchrig.resolve import Plan, resolve
+from torchrig.strategies import Strategy
+from torchrig.wrappers import RigModule, RigOptimizer, wrap_optimizer
+
+
+class Rig:
+    """Runs a hand-written training loop on any accelerator, precision and process layout.
+
+    Args:
+        accelerator: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"gpu"``, ``"mps"``, ``"xpu"``, ``"tpu"``,
+            any registered name, or an :class:`~torchrig.Accelerator` instance.
+        devices: a count, ``-1``/``"auto"`` for all, ``"0,1"``, or a list of indices. On the CPU
+            this is the number of processes.
+        strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"ddp_spawn"``, ``"fsdp"``..., or a
+            :class:`~torchrig.Strategy` instance.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
+            ``"16-true"``, ``"64-true"``, or ``"auto"``.
+        num_nodes: how many machines take part.
+
+    ``None`` means the ``TORCHRIG_*`` environment variable that ``torchrig run`` sets, and then
+    the default (auto, auto, auto, 32-true, 1).
+
+    Example:
+        >>> import torch, torchrig
+        >>> rig = torchrig.Rig(accelerator="cpu", precision="bf16-mixed")
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> model, optimizer = rig.prepare(model, optimizer)
+        >>> loss = model(torch.ones(2, 4)).sum()
+        >>> rig.backward(loss); optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        *,
+        accelerator: str | Accelerator | None = None,
+        devices: int | str | list[int] | None = None,
+        strategy: str | Strategy | None = None,
+        precision: str | int | None = None,
+        num_nodes: int | None = None,
+    ) -> None:
+        self.plan: Plan = resolve(
+            accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, num_nodes=num_nodes
+        )
+        self._prepared: set[int] = set()
+        self._loaders: list[RigDataLoader] = []
+        self._launched = False
+        if not getattr(self.strategy, "needs_launch", False):
+            self.strategy.setup_environment()
+            self._launched = True
+
+    # -- what the plan holds ---------------------------------------------------------------
+    @property
+    def accelerator(self) -> Accelerator:
+        return self.plan.accelerator
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.plan.strategy
+
+    @property
+    def precision(self) -> Precision:
+        return self.plan.precision
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+        return self.strategy.root_device
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self.strategy.node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    def __repr__(self) -> str:
+        return (
+            f"Rig(accelerator={self.accelerator.name()!r}, device={str(self.device)!r}, "
+            f"strategy={self.strategy!r}, precision={self.precision.name!r}, world_size={self.world_size})"
+        )
+
+    # -- processes -------------------------------------------------------------------------
+    def launch(self, fn: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(rig, *args)`` in every process of the run.
+
+        Under torchrun, SLURM, or a single process this starts nothing and simply calls
+        ``fn`` here; strategies that must start their own processes (``ddp_spawn``,
+        ``ddp_notebook``) start them and call ``fn`` in each.
+        """
+
+        def run(*a: Any, **kw: Any) -> Any:
+            if not self._launched:
+                self.strategy.setup_environment()
+                self._launched = True
+            return None if fn is None else fn(self, *a, **kw)
+
+        return self.strategy.launch(run, *args, **kwargs)
+
+    # -- prepare ---------------------------------------------------------------------------
+    def prepare(self, *objs: Any) -> Any:
+        """Prepare modules, optimizers, dataloaders and LR schedulers, in any order.
+
+        Modules move to the device (and are wrapped by the strategy); optimizers step through
+        the precision; dataloaders yield batches on the device; schedulers pass through.
+        Returns the objects in the order given (a single object when one was given).
+        """
+        if not objs:
+            raise ValueError("prepare() needs at least one module, optimizer, dataloader or scheduler")
+        for obj in objs:
+            self._check_preparable(obj)
+        out: list[Any] = list(objs)
+        modules = [i for i, o in enumerate(objs) if isinstance(o, nn.Module)]
+        optimizers = [i for i, o in enumerate(objs) if isinstance(o, torch.optim.Optimizer)]
+        for i in modules:
+            out[i] = self._setup_module(objs[i])
+        for i in optimizers:
+            out[i] = self._setup_optimizer(objs[i])
+        for i, o in enumerate(objs):
+            if isinstance(o, DataLoader):
+                out[i] = self._setup_dataloader(o)
+        for o in objs:
+            self._prepared.add(id(o))
+        self._prepared.update(id(o) for o in out)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _check_preparable(self, obj: Any) -> None:
+        if isinstance(obj, (RigModule, RigOptimizer, RigDataLoader)) or id(obj) in self._prepared:
+            raise ValueError(
+                f"{type(obj).__name__} was already prepared by this Rig; prepare each object once "
+                "and use what prepare() returned"
+            )
+        if not isinstance(obj, (nn.Module, torch.optim.Optimizer, DataLoader, LRScheduler, ReduceLROnPlateau)):
+            raise TypeError(
+                f"prepare() got a {type(obj).__module__}.{type(obj).__name__}; it takes nn.Module, "
+                "torch.optim.Optimizer, torch.utils.data.DataLoader and LR schedulers"
+            )
+
+    def _setup_module(self, module: nn.Module) -> RigModule:
+        module = self.precision.convert_module(module)
+        if any(p.is_meta for p in module.parameters()) and not getattr(self.strategy, "materializes_meta", False):
+            materialize(module, self.device)
+        forward_module = self.strategy.setup_module(module)
+        return RigModule(forward_module=forward_module, module=module, precision=self.precision, device=self.device)
+
+    def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        optimizer = self.strategy.setup_optimizer(optimizer)
+        for state in optimizer.state.values():  # state created before prepare follows the params
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(self.device)
+        return wrap_optimizer(optimizer, self.precision)
+
+    def _setup_dataloader(self, loader: DataLoader[Any]) -> RigDataLoader:
+        # The shuffle seed comes from torch's RNG (so seed_everything fixes it) and rank 0 decides.
+        seed = self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item()))
+        pin = self.device.type not in ("cpu", "mps")
+        rebuilt = rebuild_with_sampler(
+            loader, seed=seed, num_replicas=self.world_size, rank=self.global_rank, pin_memory=pin
+        )
+        if rebuilt is None and self.world_size > 1:
+            rebuilt = (
+                self.strategy.process_dataloader(loader) if hasattr(self.strategy, "process_dataloader") else loader
+            )
+        wrapped = RigDataLoader(rebuilt if rebuilt is not None else loader, device=self.device, seed=seed)
+        self._loaders.append(wrapped)
+        return wrapped
+
+    # -- the step --------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` through the precision (scaled under 16-mixed)."""
+        self.precision.backward(loss, **kwargs)
+
+    def clip_gradients(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_norm: float | None = None,
+        clip_val: float | None = None,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor | None:
+        """Clip gradients by total norm (``max_norm``) or by value (``clip_val``), after unscaling.
+
+        Returns the total norm before clipping (a tensor on the device, no host sync) when
+        clipping by norm, else None.
+        """
+        if (max_norm is None) == (clip_val is None):
+            raise ValueError(
+                f"clip_gradients() takes exactly one of max_norm= or clip_val= "
+                f"(got max_norm={max_norm!r}, clip_val={clip_val!r})"
+            )
+        raw = optimizer.optimizer if isinstance(optimizer, RigOptimizer) else optimizer
+        self.precision.unscale_gradients(raw)
+        params = [p for g in raw.param_groups for p in g["params"] if p.grad is not None]
+        if clip_val is not None:
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+            return None
+        return self.strategy.clip_grad_norm(params, max_norm, norm_type)  # type: ignore[arg-type]
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast, for computation outside a prepared module's forward."""
+        return self.precision.autocast()
+
+    def to_device(self, obj: Any) -> Any:
+        """Move a tensor, a module, or a nested batch to ``rig.device``."""
+        if isinstance(obj, nn.Module):
+            return obj.to(self.device)
+        return move_to_device(obj, self.device)
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """Skip the gradient all-reduce inside the block (for gradient accumulation).
+
+        Example:
+            >>> # with rig.no_backward_sync(model, enabled=not last_micro_batch): rig.backward(loss)
+        """
+        if not isinstance(module, RigModule):
+            raise TypeError("no_backward_sync() needs the module that rig.prepare() returned")
+        if not enabled:
+            return contextlib.nullcontext()
+        return self.strategy.no_backward_sync(module._forward_module, enabled)
+
+    @contextlib.contextmanager
+    def init_module(self, empty_init: bool = False) -> Iterator[None]:
+        """Create a module's parameters directly on the device, in the precision's dtype.
+
+        With ``empty_init=True`` parameters are created on ``meta`` (no memory, no init time)
+        and materialised by ``prepare`` (on each rank's shard only under FSDP).
+        """
+        with self.strategy.module_init_context(empty_init), self.precision.init_context():
+            yield
+
+    def seed_everything(self, seed: int) -> int:
+        """Seed Python, NumPy and torch (every device) on every process; returns the seed."""
+        return seed_everything(seed)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank zero only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    # -- collectives (free in one process) -------------------------------------------------
+    def all_gather(self, obj: Any, sync_grads: bool = False) -> Any:
+        """Gather tensors (or nested collections of them) from every process: ``(world, *shape)``."""
+        from torchrig.collections import apply_to_tensors
+
+        return apply_to_tensors(obj, lambda t: self.strategy.all_gather(t, sync_grads=sync_grads))
+
+    def all_reduce(self, obj: Any, op: str = "mean") -> Any:
+        """Reduce tensors across processes with ``op`` in ``mean``, ``sum``, ``max``, ``min``."""
+        from torchrig.collections import apply_to_tensors
+        from torchrig.strategies.base import check_reduce_op
+
+        check_reduce_op(op)
+        return apply_to_tensors(obj, lambda t: self.strategy.all_reduce(t, op=op))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send ``obj`` (a tensor or any picklable object) from rank ``src`` to every rank."""
+        return self.strategy.broadcast(obj, src=src)
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process reaches this point."""
+        self.strategy.barrier(name)
+
+    def reduce_boolean_decision(self, flag: bool, all: bool = True) -> bool:
+        """True when every rank (``all=True``) or any rank (``all=False``) says True."""
+        return self.strategy.reduce_boolean_decision(flag, all=all)
+
+    def rank_zero_first(self) -> contextlib.AbstractContextManager[None]:
+        """Run the block on rank 0 first (say, to download), then on the others."""
+        return self.strategy.rank_zero_first()
+
+    def gather_for_metrics(self, obj: Any) -> Any:
+        """``all_gather`` flattened to one batch dimension, without the duplicate samples a
+        distributed sampler pads the last batch with."""
+        from torchrig.strategies.gather import gather_for_metrics
+
+        return gather_for_metrics(self, obj)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any], **kwargs: Any) -> Path:
+        """Save ``state`` atomically to the checkpoint directory ``path`` (see :mod:`torchrig.checkpoint`)."""
+        from torchrig import checkpoint
+
+        return checkpoint.save(self, path, state, **kwargs)
+
+    def load(
+        self, path: str | os.PathLike[str], state: dict[str, Any] | None = None, strict: bool = True
+    ) -> dict[str, Any]:
+        """Load a checkpoint into the objects of ``state`` in place; returns what is left over."""
+        from torchrig import checkpoint
+
+        return checkpoint.load(self, path, state, strict=strict)
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Give a module created on ``meta`` real storage on ``device`` and initialise it."""
+    module.to_empty(device=device)
+    for sub in module.modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def seed_everything(seed: int) -> int:
+    """Seed Python's ``random``, NumPy and torch on the CPU and every device."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed={seed!r} must be an int")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # seeds every device type as well
+    os.environ["PYTHONHASHSEED"] = str(seed)
+    return seed

@@ -1,0 +1,131 @@
+"""The Strategy interface: how processes and model replicas are laid out.
+
+A strategy owns process-group set-up, module wrapping, dataloader sharding and the collectives.
+The base class implements everything for one process, so a single-device run pays nothing for
+collectives; distributed strategies override what they need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torchrig.accelerators.base import Accelerator
+    from torchrig.precision import Precision
+
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+class Strategy:
+    """The process layout of a run. Subclass it for a new layout and register it by name.
+
+    Attributes set by :func:`torchrig.resolve.resolve` before use: ``accelerator``,
+    ``parallel_devices``, ``precision`` and ``num_nodes``.
+    """
+
+    #: True when the strategy runs more than one process and shards data across them.
+    distributed: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.accelerator: Accelerator | None = None
+        self.parallel_devices: list[torch.device] = [torch.device("cpu")]
+        self.precision: Precision | None = None
+        self.num_nodes: int = 1
+
+    # -- layout ---------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        """The device this process computes on."""
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    # -- life cycle -----------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        """Join the process group (if any) and make ``root_device`` current."""
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+
+    def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` in every process of the run; here, just this one."""
+        return fn(*args, **kwargs)
+
+    def teardown(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+
+    # -- modules, optimizers, data --------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move ``module`` to the device and wrap it for this layout (DDP, FSDP...)."""
+        return module.to(self.root_device)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def module_init_context(self, empty_init: bool) -> contextlib.AbstractContextManager[Any]:
+        """Where ``Rig.init_module`` creates parameters: on the device, or on ``meta``."""
+        return torch.device("meta") if empty_init else self.root_device
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        """Skip gradient synchronisation inside the block (gradient accumulation)."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type, foreach=None)
+
+    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The full (unsharded) state dict of ``module``, as a checkpoint stores it."""
+        return module.state_dict()
+
+    # -- collectives (identity in one process) --------------------------------------------
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        """Stack ``tensor`` from every process: shape ``(world_size, *tensor.shape)``."""
+        return tensor.unsqueeze(0)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        check_reduce_op(op)
+        return tensor
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self, name: str | None = None) -> None:
+        return None
+
+    def reduce_boolean_decision(self, flag: bool, all: bool = True) -> bool:
+        return bool(flag)
+
+    @contextlib.contextmanager
+    def rank_zero_first(self) -> Iterator[None]:
+        yield
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def check_reduce_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"all_reduce(op={op!r}) is not a reduction; use one of {', '.join(REDUCE_OPS)}")

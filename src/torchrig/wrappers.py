@@ -1,0 +1,125 @@
+"""The objects ``Rig.prepare`` returns: a module that runs under the precision, and an
+optimizer that steps through it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchrig.diagnostics import DeviceMismatchError, explain
+from torchrig.precision import Precision
+
+
+class RigModule(nn.Module):
+    """A prepared module. Calls run under the precision's autocast and input conversion;
+    attributes, ``state_dict`` and ``load_state_dict`` are those of the module you passed in.
+
+    A device or dtype mismatch inside ``forward`` is re-raised as
+    :class:`~torchrig.diagnostics.DeviceMismatchError` that says what is where.
+    """
+
+    def __init__(
+        self, *, forward_module: nn.Module, module: nn.Module, precision: Precision, device: torch.device
+    ) -> None:
+        super().__init__()
+        self._forward_module = forward_module
+        object.__setattr__(self, "_rig_module", module)
+        object.__setattr__(self, "_rig_precision", precision)
+        object.__setattr__(self, "_rig_device", device)
+        object.__setattr__(self, "_rig_autocast", precision.autocast if precision.is_mixed else None)
+        object.__setattr__(self, "_rig_converts", precision.converts)
+
+    @property
+    def module(self) -> nn.Module:
+        """The module you passed to ``prepare`` (unwrapped)."""
+        return self._rig_module  # type: ignore[no-any-return]
+
+    # The wrapper has no hooks of its own, so it skips nn.Module.__call__'s bookkeeping.
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        precision = self._rig_precision
+        if self._rig_converts:
+            args, kwargs = precision.convert_input((args, kwargs))
+        try:
+            if self._rig_autocast is None:
+                out = self._forward_module(*args, **kwargs)
+            else:
+                with self._rig_autocast():
+                    out = self._forward_module(*args, **kwargs)
+        except RuntimeError as err:
+            message = explain(err, self._rig_module, args, kwargs, self._rig_device)
+            if message is None:
+                raise
+            raise DeviceMismatchError(message) from err
+        return precision.convert_output(out) if self._rig_converts else out
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._rig_module, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._rig_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self._rig_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+_OWN = ("_rig_optimizer", "_rig_precision", "step", "zero_grad")
+
+
+class RigOptimizer:
+    """Marker base of prepared optimizers; see :func:`wrap_optimizer`."""
+
+    _rig_optimizer: torch.optim.Optimizer
+    _rig_precision: Precision
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step through the precision (the GradScaler skips steps with inf/NaN gradients)."""
+        return self._rig_precision.optimizer_step(self._rig_optimizer, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._rig_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._rig_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._rig_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._rig_optimizer.add_param_group(param_group)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer you passed to ``prepare``."""
+        return self._rig_optimizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rig_optimizer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``step``/``zero_grad`` patches (an LR scheduler's step counter) stay on the wrapper so
+        # they wrap *this* step; everything else is state of the real optimizer.
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._rig_optimizer, name, value)
+
+    def __repr__(self) -> str:
+        return f"Rig{self._rig_optimizer!r}"
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, precision: Precision) -> torch.optim.Optimizer:
+    """A proxy that ``isinstance``-checks as ``type(optimizer)`` and shares all its state."""
+    cls = type(f"Rig{type(optimizer).__name__}", (RigOptimizer, type(optimizer)), {})
+    proxy: Any = object.__new__(cls)
+    object.__setattr__(proxy, "_rig_optimizer", optimizer)
+    object.__setattr__(proxy, "_rig_precision", precision)
+    return proxy  # type: ignore[no-any-return]
