@@ -16,6 +16,18 @@ from torchrig.precision import PRECISIONS, Precision
 from torchrig.resolve import Plan, resolve
 from torchrig.rig import Rig, seed_everything
 from torchrig.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy, Strategy
+from torchrig.trainer import (
+    Callback,
+    DataModule,
+    DeviceStatsMonitor,
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    Trainer,
+    TrainingModule,
+)
+from torchrig.trainer.loggers import CSVLogger, TensorBoardLogger  # tensorboard itself loads on first use
+from torchrig.trainer.progress import ProgressBar
 
 __version__ = "0.1.0"
 
@@ -25,13 +37,24 @@ __all__ = [
     "STRATEGY_REGISTRY",
     "Accelerator",
     "CPUAccelerator",
+    "CSVLogger",
+    "Callback",
+    "DataModule",
     "DeviceMismatchError",
+    "DeviceStatsMonitor",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
     "Plan",
     "Precision",
+    "ProgressBar",
     "Rig",
     "SingleDeviceStrategy",
     "Strategy",
+    "TensorBoardLogger",
     "TorchDeviceAccelerator",
+    "Trainer",
+    "TrainingModule",
     "XLAAccelerator",
     "__version__",
     "current_device_index",

@@ -158,6 +158,7 @@ class RigDataLoader:
             self._resume_at = None
         else:
             self.epoch, skip = self.epoch + 1, 0
+        resuming_mid_epoch = skip > 0
         sampler = self.loader.sampler
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
@@ -168,7 +169,13 @@ class RigDataLoader:
         else:
             self.batches_seen = 0
         device = self.device
-        it = iter(self.loader)
+        if resuming_mid_epoch:
+            # DataLoader draws a base seed from torch's RNG when an epoch starts; the run being
+            # resumed already made that draw (the restored RNG state is after it), so don't repeat it.
+            with torch.random.fork_rng(devices=[]):
+                it = iter(self.loader)
+        else:
+            it = iter(self.loader)
         try:
             for _ in range(skip):  # a loader we could not rebuild: skip by reading
                 next(it)

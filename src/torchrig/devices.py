@@ -8,6 +8,8 @@ and how to fix it.
 
 from __future__ import annotations
 
+import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,11 +23,26 @@ _FORMS = (
 )
 
 
+_INT = re.compile(r"-?[0-9]+")  # ASCII digits only: int() also accepts other scripts' digits and "1_0"
+
+
 def _int_from_str(text: str, original: Any) -> int:
     text = text.strip()
-    if not text.lstrip("-").isdigit():
+    if not _INT.fullmatch(text):
         raise ValueError(f"devices={original!r} is not a number or a list of indices; use {_FORMS}")
     return int(text)
+
+
+def _index(item: Any, original: Any) -> int:
+    """An index from a list item: ints and int-likes (numpy ints), never bools or floats."""
+    if isinstance(item, bool):
+        raise TypeError(f"devices={original!r} holds {item!r} (a bool); indices must be ints such as [0, 1]")
+    try:
+        return operator.index(item)
+    except TypeError:
+        raise TypeError(
+            f"devices={original!r} holds {item!r} ({type(item).__name__}); indices must be ints such as [0, 1]"
+        ) from None
 
 
 def normalize_devices(devices: Any) -> int | list[int]:
@@ -50,10 +67,7 @@ def normalize_devices(devices: Any) -> int | list[int]:
             return _check_indices([_int_from_str(p, devices) for p in parts], devices)
         return _check_count(_int_from_str(text, devices), devices)
     if isinstance(devices, (list, tuple)):
-        for d in devices:
-            if isinstance(d, bool) or not isinstance(d, int):
-                raise TypeError(f"devices={devices!r} holds {d!r} ({type(d).__name__}); indices must be ints")
-        return _check_indices(list(devices), devices)
+        return _check_indices([_index(d, devices) for d in devices], devices)
     raise TypeError(f"devices={devices!r} has type {type(devices).__name__}; use {_FORMS}")
 
 
@@ -98,7 +112,10 @@ def select_indices(devices: Any, *, device_type: str, available: int) -> list[in
     spec = normalize_devices(devices)
     have = list(range(available))
     if available <= 0:
-        raise ValueError(f"devices={devices!r} asks for {device_type} devices, but this machine has none")
+        raise ValueError(
+            f"devices={devices!r} asks for {device_type} devices, but this machine has none; "
+            "use accelerator='cpu' or accelerator='auto'"
+        )
     if spec == ALL:
         return have
     if isinstance(spec, int):
@@ -134,25 +151,63 @@ def _require_accelerator(what: str) -> str:
 
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if acc is None:
-        raise RuntimeError(f"{what} needs an accelerator, but torch.accelerator finds none here (CPU only)")
+        raise RuntimeError(
+            f"{what} needs an accelerator, but torch.accelerator finds none here (CPU only); "
+            "the CPU has no device index to get or set"
+        )
     return acc.type
 
 
-def current_device_index() -> int:
-    """The index of the current accelerator device (``torch.accelerator``), for any backend."""
+def _module_fallback(kind: str, fn: str, err: RuntimeError, *args: int) -> Any:
+    """Call ``torch.<kind>.<fn>(*args)`` when ``torch.accelerator`` cannot.
+
+    ``torch.accelerator``'s device-index functions need the backend's C++ device guard; a backend
+    registered from Python only (``torch._register_device_module``) still has the module
+    functions the PrivateUse1 documentation asks for (``current_device``, ``set_device``).
+    """
     import torch
 
-    _require_accelerator("current_device_index()")
-    return int(torch.accelerator.current_device_index())
+    try:
+        f = getattr(torch.get_device_module(kind), fn, None)
+    except RuntimeError:
+        f = None
+    if not callable(f):
+        raise RuntimeError(
+            f"torch.accelerator cannot handle device indices of {kind!r} ({err}), "
+            f"and torch.{kind} has no {fn}() to fall back on"
+        ) from err
+    return f(*args)
+
+
+def current_device_index() -> int:
+    """The index of the current accelerator device (``torch.accelerator``), for any backend.
+
+    Example:
+        >>> # on a machine with an accelerator: torchrig.current_device_index() -> 0
+    """
+    import torch
+
+    kind = _require_accelerator("current_device_index()")
+    try:
+        return int(torch.accelerator.current_device_index())
+    except RuntimeError as err:
+        return int(_module_fallback(kind, "current_device", err))
 
 
 def set_device_index(index: int) -> None:
-    """Make accelerator device ``index`` current, for any backend."""
+    """Make accelerator device ``index`` current, for any backend.
+
+    Example:
+        >>> # on a machine with two GPUs: torchrig.set_device_index(1)
+    """
     import torch
 
     kind = _require_accelerator("set_device_index()")
     select_indices([index], device_type=kind, available=torch.accelerator.device_count())
-    torch.accelerator.set_device_index(index)
+    try:
+        torch.accelerator.set_device_index(index)
+    except RuntimeError as err:
+        _module_fallback(kind, "set_device", err, index)
 
 
 class device_index:  # noqa: N801 - a context manager named like torch.accelerator.device_index

@@ -26,6 +26,7 @@ _TRUE_DTYPES = {
     "bf16-true": torch.bfloat16,
 }
 _MIXED_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def normalize_precision(precision: Any) -> str:
@@ -131,6 +132,11 @@ class Precision:
         """True when parameters live in a dtype other than fp32 (``16-true``, ``bf16-true``, ``64-true``)."""
         return self.param_dtype not in (None, torch.float32)
 
+    @property
+    def converts_output(self) -> bool:
+        """True when a forward can return fp16/bf16 tensors that are cast back to fp32."""
+        return self.param_dtype in (torch.float16, torch.bfloat16) or self.is_mixed
+
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast the module's floating parameters and buffers for ``*-true`` precisions."""
         return module.to(dtype=self.param_dtype) if self.converts else module
@@ -162,10 +168,16 @@ class Precision:
         return apply_to_tensors(data, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def convert_output(self, data: Any) -> Any:
-        """Cast half-precision outputs back to fp32 so the loss is computed in full precision."""
-        if self.param_dtype not in (torch.float16, torch.bfloat16):
+        """Cast fp16/bf16 outputs back to fp32 so the loss is computed in full precision.
+
+        Under ``*-mixed`` autocast leaves outputs in the half dtype; a loss taken outside the
+        forward would then run in half precision (or fail against an fp32 target).
+        """
+        if not self.converts_output:
             return data
-        return apply_to_tensors(data, lambda t: t.float() if t.is_floating_point() else t)
+        if isinstance(data, torch.Tensor):  # the common case, without the traversal
+            return data.float() if data.dtype in _HALF else data
+        return apply_to_tensors(data, lambda t: t.float() if t.dtype in _HALF else t)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by the GradScaler under fp16-mixed."""

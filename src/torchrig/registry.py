@@ -56,6 +56,8 @@ class Registry(Generic[T]):
         self.entry_point_group = entry_point_group
         self.hook = hook
         self._entries: dict[str, RegistryEntry] = {}
+        # Built-ins a user's entry replaced, so that removing the user's entry brings them back.
+        self._shadowed: dict[str, RegistryEntry] = {}
         self._entry_points_loaded = False
 
     # -- writing ---------------------------------------------------------------------------
@@ -74,7 +76,7 @@ class Registry(Generic[T]):
         and the same class registered again (a re-run notebook cell) simply replaces itself.
         """
         if not isinstance(name, str) or not name:
-            raise TypeError(f"a {self.kind} name must be a non-empty string, got {name!r}")
+            raise TypeError(f"the {self.kind} name must be a non-empty string, got {name!r}")
         if factory is None:
 
             def decorator(fn: Callable[..., T]) -> Callable[..., T]:
@@ -94,6 +96,7 @@ class Registry(Generic[T]):
             )
         if old is not None and old.builtin and not entry.builtin:
             log.info("%s %r: %s replaces the built-in", self.kind, entry.name, _origin(entry.factory))
+            self._shadowed[entry.name] = old
         self._entries[entry.name] = entry
 
     def register_builtin(self, name: str, factory: Callable[..., T], description: str = "", **init_params: Any) -> None:
@@ -101,9 +104,16 @@ class Registry(Generic[T]):
         self._entries[name] = RegistryEntry(name, factory, description, init_params, builtin=True)
 
     def remove(self, name: str) -> None:
-        """Remove ``name``; an unknown name is an error that lists the known ones."""
+        """Remove ``name``; an unknown name is an error that lists the known ones.
+
+        Removing an entry that replaced a built-in of the same name (a user class registered as
+        ``"xpu"``) brings the built-in back.
+        """
         self._entry(name)
         del self._entries[name]
+        builtin = self._shadowed.pop(name, None)
+        if builtin is not None:
+            self._entries[name] = builtin
 
     # -- reading ---------------------------------------------------------------------------
     def get(self, name: str, **overrides: Any) -> T:
@@ -162,10 +172,20 @@ class Registry(Generic[T]):
             except Exception as err:  # a broken plugin must not break torchrig
                 log.warning("could not load %s entry point %r: %s", self.kind, ep.name, err)
                 continue
-            hook = getattr(obj, self.hook, None)
-            if callable(hook):
-                hook(self)
-            elif callable(obj) and not isinstance(obj, type):
-                obj(self)
-            else:
-                self.register(ep.name, obj, description=(obj.__doc__ or "").strip().split("\n")[0])
+            try:
+                self._register_plugin(ep.name, obj)
+            except Exception as err:  # a name clash between plugins must not break torchrig either
+                log.warning("could not register %s entry point %r: %s", self.kind, ep.name, err)
+
+    def _register_plugin(self, name: str, obj: Any) -> None:
+        """An entry point names a class with the hook, a function taking the registry, or a class."""
+        if not isinstance(obj, type):
+            obj(self)
+            return
+        hook = getattr(obj, self.hook, None)
+        if callable(hook):
+            hook(self)
+        # A class that does not register itself (it inherits the no-op hook) goes in under the
+        # entry point's own name.
+        if not any(e.factory is obj for e in self._entries.values()):
+            self.register(name, obj, description=(obj.__doc__ or "").strip().split("\n")[0])

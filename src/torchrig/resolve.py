@@ -138,11 +138,10 @@ def resolve_strategy(strategy: Any, devices: list[torch.device], num_nodes: int)
 
 
 def _launched_world_size() -> int:
-    """WORLD_SIZE of a job started by torchrun/SLURM around this process (1 when none)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
+    """The world size of a job started by torchrun/SLURM around this process (1 when none)."""
+    from torchrig.strategies.environment import detect_environment
+
+    return detect_environment().world_size
 
 
 def resolve(

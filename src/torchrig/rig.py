@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import itertools
 import random
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -63,7 +66,8 @@ class Rig:
         self.plan: Plan = resolve(
             accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, num_nodes=num_nodes
         )
-        self._prepared: set[int] = set()
+        # Weak, so an object that died cannot make a new one at the same id() look prepared.
+        self._prepared: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._loaders: list[RigDataLoader] = []
         self._launched = False
         if not getattr(self.strategy, "needs_launch", False):
@@ -123,13 +127,19 @@ class Rig:
         ``ddp_notebook``) start them and call ``fn`` in each.
         """
 
-        def run(*a: Any, **kw: Any) -> Any:
-            if not self._launched:
-                self.strategy.setup_environment()
-                self._launched = True
-            return None if fn is None else fn(self, *a, **kw)
+        # A partial of a module-level function (not a closure) so ``spawn`` can pickle it.
+        return self.strategy.launch(functools.partial(_run_launched, self, fn), *args, **kwargs)
 
-        return self.strategy.launch(run, *args, **kwargs)
+    def __getstate__(self) -> dict[str, Any]:
+        # ``ddp_spawn`` pickles the Rig into each worker; the weak bookkeeping of prepared
+        # objects cannot be pickled and starts empty there (nothing is prepared before launch).
+        state = dict(self.__dict__)
+        state["_prepared"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._prepared = weakref.WeakValueDictionary()
 
     # -- prepare ---------------------------------------------------------------------------
     def prepare(self, *objs: Any) -> Any:
@@ -153,13 +163,13 @@ class Rig:
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
                 out[i] = self._setup_dataloader(o)
-        for o in objs:
-            self._prepared.add(id(o))
-        self._prepared.update(id(o) for o in out)
+        for o in (*objs, *out):
+            with contextlib.suppress(TypeError):  # an object that takes no weak reference
+                self._prepared[id(o)] = o
         return out[0] if len(out) == 1 else tuple(out)
 
     def _check_preparable(self, obj: Any) -> None:
-        if isinstance(obj, (RigModule, RigOptimizer, RigDataLoader)) or id(obj) in self._prepared:
+        if isinstance(obj, (RigModule, RigOptimizer, RigDataLoader)) or self._prepared.get(id(obj)) is obj:
             raise ValueError(
                 f"{type(obj).__name__} was already prepared by this Rig; prepare each object once "
                 "and use what prepare() returned"
@@ -172,7 +182,8 @@ class Rig:
 
     def _setup_module(self, module: nn.Module) -> RigModule:
         module = self.precision.convert_module(module)
-        if any(p.is_meta for p in module.parameters()) and not getattr(self.strategy, "materializes_meta", False):
+        on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+        if on_meta and not getattr(self.strategy, "materializes_meta", False):
             materialize(module, self.device)
         forward_module = self.strategy.setup_module(module)
         return RigModule(forward_module=forward_module, module=module, precision=self.precision, device=self.device)
@@ -325,6 +336,14 @@ class Rig:
         from torchrig import checkpoint
 
         return checkpoint.load(self, path, state, strict=strict)
+
+
+def _run_launched(rig: Rig, fn: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+    """What ``Rig.launch`` runs in every process: join the process group, then ``fn(rig, ...)``."""
+    if not rig._launched:
+        rig.strategy.setup_environment()
+        rig._launched = True
+    return None if fn is None else fn(rig, *args, **kwargs)
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

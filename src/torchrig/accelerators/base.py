@@ -36,6 +36,8 @@ class Accelerator:
 
     #: The ``torch.device`` type this accelerator puts tensors on.
     device_type: ClassVar[str] = "cpu"
+    #: The name this instance was built under by the registry (set by ``ACCELERATOR_REGISTRY.get``).
+    _registry_name: str | None = None
 
     @staticmethod
     def parse_devices(devices: Any) -> Any:
@@ -65,6 +67,9 @@ class Accelerator:
         """The registered name of this accelerator (or its class name when unregistered)."""
         from torchrig.accelerators.registry import ACCELERATOR_REGISTRY
 
+        given = getattr(self, "_registry_name", None)
+        if isinstance(given, str):
+            return given
         for n in ACCELERATOR_REGISTRY.names():
             entry = ACCELERATOR_REGISTRY.entry(n)
             if entry.factory is type(self) and all(

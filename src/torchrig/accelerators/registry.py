@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torchrig.accelerators.base import Accelerator
 from torchrig.registry import Registry
 
 
 class AcceleratorRegistry(Registry[Accelerator]):
     """The accelerator registry, plus :meth:`available_accelerators`."""
+
+    def get(self, name: str, **overrides: Any) -> Accelerator:
+        """Build the accelerator ``name``; it remembers that name (``"tpu"`` and ``"xla"`` share a class)."""
+        acc = super().get(name, **overrides)
+        try:
+            acc._registry_name = name
+        except AttributeError:  # a class with __slots__: name() falls back to searching the registry
+            pass
+        return acc
 
     def available_accelerators(self) -> list[str]:
         """Names of the registered accelerators whose hardware is usable in this process."""

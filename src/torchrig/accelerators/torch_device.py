@@ -93,9 +93,15 @@ class TorchDeviceAccelerator(Accelerator):
         return f"torch.{t}.is_available() returned False"
 
     def get_device_stats(self, device: str | torch.device) -> dict[str, Any]:
-        """What ``torch.accelerator.memory`` offers: allocated, reserved, peak, free/total."""
+        """What ``torch.accelerator.memory`` offers: allocated, reserved, peak, free/total.
+
+        Each number comes from ``torch.accelerator`` or, when that cannot answer (a backend
+        without a C++ allocator), from the backend's device module; what neither knows is left
+        out, so this never raises.
+        """
+        if not self.is_available():  # torch.cuda answers 0 even on a build without CUDA
+            return {}
         device = torch.device(device)
-        acc = torch.accelerator
         stats: dict[str, Any] = {}
         for key, fn in (
             ("allocated_bytes", "memory_allocated"),
@@ -103,30 +109,58 @@ class TorchDeviceAccelerator(Accelerator):
             ("peak_allocated_bytes", "max_memory_allocated"),
             ("peak_reserved_bytes", "max_memory_reserved"),
         ):
-            f = getattr(acc, fn, None) or getattr(device_module(self.device_type), fn, None)
-            if callable(f):
-                try:
-                    stats[key] = int(f(device))
-                except Exception:
-                    continue
-        info = getattr(acc, "get_memory_info", None)
-        if callable(info):
-            try:
-                free, total = info(device)
-                stats["free_bytes"], stats["total_bytes"] = int(free), int(total)
-            except Exception:
-                pass
+            value = self._query(fn, device)
+            if value is not None:
+                stats[key] = int(value)
+        info = self._query("get_memory_info", device) or self._query("mem_get_info", device)
+        if info is not None:
+            stats["free_bytes"], stats["total_bytes"] = int(info[0]), int(info[1])
         return stats
 
+    def _query(self, fn: str, device: torch.device) -> Any:
+        for source in (torch.accelerator, device_module(self.device_type)):
+            f = getattr(source, fn, None)
+            if callable(f):
+                try:
+                    return f(device)
+                except Exception:  # not supported by this backend: try the next source
+                    continue
+        return None
+
     def setup_device(self, device: torch.device) -> None:
+        """Make ``device`` current and check that the backend can put a tensor on it.
+
+        Raises:
+            RuntimeError: the backend is registered with PyTorch but has no kernels/allocator
+                (a device module registered from Python only), so no tensor can live on it.
+        """
+        from torchrig.devices import set_device_index
+
         if device.index is not None:
-            torch.accelerator.set_device_index(device.index)
+            set_device_index(device.index)
+        try:
+            torch.empty(0, device=device)
+        except (NotImplementedError, RuntimeError) as err:
+            # PyTorch's message lists every dispatch key; its first sentence is the useful part.
+            first = (str(err).strip().split(". ")[0] or type(err).__name__)[:200]
+            raise RuntimeError(
+                f"the {self.device_type!r} backend is registered with PyTorch, but it cannot allocate a "
+                f"tensor on {device} ({first}). A device type registered only from Python "
+                "(torch.utils.rename_privateuse1_backend + torch._register_device_module) has no "
+                "kernels and no allocator: its C++ extension must register them with the PrivateUse1 "
+                "dispatch key. Import the backend's package, or use accelerator='cpu'"
+            ) from err
 
     def teardown(self) -> None:
         mod = device_module(self.device_type)
         empty = getattr(mod, "empty_cache", None)
         if callable(empty) and self.is_available():
             empty()
+
+    def name(self) -> str:
+        found = super().name()
+        # When a user class took over this type's name (say "xpu"), the device type still names it.
+        return self.device_type if found == type(self).__name__ else found
 
     def __repr__(self) -> str:
         return f"TorchDeviceAccelerator(device_type={self.device_type!r})"

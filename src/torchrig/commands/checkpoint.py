@@ -1,14 +1,111 @@
-"""`torchrig checkpoint` (placeholder until its issue lands)."""
+"""``torchrig checkpoint inspect PATH`` and ``torchrig checkpoint consolidate PATH OUT``.
+
+``inspect`` verifies every file against its SHA-256 and prints what the checkpoint holds;
+``consolidate`` writes the model weights (sharded or not) as one ``.safetensors`` file.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("checkpoint", help="(not built yet)")
-    p.set_defaults(handler=main)
+    p = sub.add_parser(
+        "checkpoint",
+        help="inspect a checkpoint or consolidate one into a single safetensors file",
+        description="Look into torchrig checkpoints (directories written by rig.save).",
+    )
+    cmds = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
+    ins = cmds.add_parser("inspect", help="verify the files and print what a checkpoint holds")
+    ins.add_argument("path", help="the checkpoint directory (or its 'last' link)")
+    ins.add_argument("--json", action="store_true", help="print meta.json plus the verification as JSON")
+    con = cmds.add_parser("consolidate", help="write the model weights as one .safetensors file")
+    con.add_argument("path", help="the checkpoint directory (sharded or not)")
+    con.add_argument("out", help="the .safetensors file to write")
+    p.set_defaults(handler=main, checkpoint_parser=p)
 
 
 def main(args: argparse.Namespace) -> int:
-    raise SystemExit("torchrig checkpoint is not built yet")
+    from torchrig.checkpoint import CheckpointError
+
+    action = getattr(args, "checkpoint_command", None)
+    if action is None:
+        args.checkpoint_parser.print_help()
+        return 2
+    try:
+        return _inspect(args) if action == "inspect" else _consolidate(args)
+    except (CheckpointError, FileNotFoundError, ValueError) as err:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        return 1
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from torchrig.checkpoint import consolidate
+
+    out = consolidate(args.path, args.out)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from torchrig.checkpoint import describe
+
+    info = describe(args.path)
+    ok = all(good for _, _, good in info["verified"])
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0 if ok else 1
+    _print_tables(info)
+    return 0 if ok else 1
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _print_tables(info: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    head = Table(title=f"checkpoint {info['path']}", show_header=False)
+    rows = [
+        ("created", info.get("created")),
+        ("layout", "sharded (torch.distributed.checkpoint)" if info.get("sharded") else "whole"),
+        ("world size", info.get("world_size")),
+        ("step", info.get("step")),
+        ("epoch", info.get("epoch")),
+        ("tensors", info.get("tensors")),
+        ("parameters", f"{info.get('parameters', 0):,}"),
+        ("saved on", f"{info.get('device_type')} · precision {info.get('precision')}"),
+        ("versions", f"torch {info.get('torch')} · torchrig {info.get('torchrig')}"),
+    ]
+    for k, v in rows:
+        head.add_row(k, "-" if v is None else str(v))
+    console.print(head)
+    entries = Table(title="entries")
+    entries.add_column("key")
+    entries.add_column("kind")
+    entries.add_column("type")
+    for key, e in sorted(info["entries"].items()):
+        value = info.get("values", {}).get(key, "") if e["kind"] == "value" else ""
+        entries.add_row(key, e["kind"], f"{e['type']} {value}".strip())
+    console.print(entries)
+    files = Table(title="files")
+    files.add_column("file")
+    files.add_column("size", justify="right")
+    files.add_column("sha256")
+    files.add_column("verified")
+    for name, size, good in info["verified"]:
+        mark = "[green]ok[/]" if good else "[bold red]MISMATCH[/]"
+        files.add_row(name, _size(size), info["files"][name]["sha256"][:16] + "…", mark)
+    console.print(files)

@@ -3,9 +3,42 @@
 from __future__ import annotations
 
 from torchrig.strategies.base import Strategy
+from torchrig.strategies.ddp import DDPStrategy
+from torchrig.strategies.environment import ClusterEnvironment, detect_environment
+from torchrig.strategies.fsdp import FSDPStrategy
+from torchrig.strategies.parallel import ParallelStrategy
 from torchrig.strategies.registry import STRATEGY_REGISTRY
 from torchrig.strategies.single import SingleDeviceStrategy
 
 STRATEGY_REGISTRY.register_builtin("single", SingleDeviceStrategy, description="One process on one device")
+STRATEGY_REGISTRY.register_builtin(
+    "ddp",
+    DDPStrategy,
+    description="DistributedDataParallel; processes from torchrun/SLURM, or the script re-run as subprocesses",
+)
+STRATEGY_REGISTRY.register_builtin(
+    "ddp_spawn",
+    DDPStrategy,
+    description="DistributedDataParallel; rig.launch(fn) starts workers with torch.multiprocessing spawn",
+    start_method="spawn",
+)
+STRATEGY_REGISTRY.register_builtin(
+    "ddp_notebook",
+    DDPStrategy,
+    description="DistributedDataParallel; rig.launch(fn) forks workers (for notebooks)",
+    start_method="fork",
+)
+STRATEGY_REGISTRY.register_builtin(
+    "fsdp", FSDPStrategy, description="FSDP2 fully_shard: parameters, gradients and optimizer state sharded"
+)
 
-__all__ = ["STRATEGY_REGISTRY", "SingleDeviceStrategy", "Strategy"]
+__all__ = [
+    "STRATEGY_REGISTRY",
+    "ClusterEnvironment",
+    "DDPStrategy",
+    "FSDPStrategy",
+    "ParallelStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "detect_environment",
+]

@@ -122,6 +122,28 @@ class Strategy:
     def rank_zero_first(self) -> Iterator[None]:
         yield
 
+    # -- registration ---------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register this class under its short name(s); override it to make the class selectable.
+
+        Example:
+            >>> import torchrig
+            >>> class MyDDP(torchrig.DDPStrategy):
+            ...     @classmethod
+            ...     def register_strategies(cls, registry):
+            ...         registry.register("my_ddp_doc", cls, description="doc example", override=True)
+            >>> "my_ddp_doc" in torchrig.STRATEGY_REGISTRY
+            True
+        """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "register_strategies" in cls.__dict__:
+            from torchrig.strategies.registry import STRATEGY_REGISTRY
+
+            cls.register_strategies(STRATEGY_REGISTRY)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

@@ -1,0 +1,94 @@
+"""Shared helpers for the benchmarks: interleaved timing, medians, and the result table.
+
+Every benchmark here measures its contenders side by side in one process, on one thread,
+interleaving the repeats (A, B, C, A, B, C, ...) so that a slow patch of the machine hits every
+contender alike, and reports the median of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+#: A contender: called with a number of steps, runs them and returns the seconds they took.
+Runner = Callable[[int], float]
+
+
+@dataclass
+class Result:
+    """The timings of one contender on one workload."""
+
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    missing: str | None = None  # why it did not run ("not installed")
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved repeats per contender (median)")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table (for the README)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: 1)")
+    return parser
+
+
+def run_interleaved(runners: dict[str, Runner | str], *, steps: int, repeats: int, warmup: int) -> list[Result]:
+    """Time every runner ``repeats`` times, interleaved; a string instead of a runner says why it is missing."""
+    results = {name: Result(name, missing=r if isinstance(r, str) else None) for name, r in runners.items()}
+    live = {name: r for name, r in runners.items() if not isinstance(r, str)}
+    for run in live.values():
+        run(warmup)
+    for _ in range(repeats):
+        for name, run in live.items():
+            results[name].seconds.append(run(steps))
+    return list(results.values())
+
+
+def environment_line(device: str) -> str:
+    return (
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"device {device}, {torch.get_num_threads()} thread(s)"
+    )
+
+
+def table(
+    title: str, rows: Sequence[tuple[str, Sequence[Result], int]], *, unit: str, scale: float, markdown: bool
+) -> str | None:
+    """Print one table: a row per workload, for each contender its median time and its ratio to the first.
+
+    ``rows`` holds ``(workload, results, per)``: times are shown as ``median * scale / per``.
+
+    Returns the markdown text when ``markdown`` is set (also printed), else prints with rich.
+    """
+    names = [r.name for r in rows[0][1]]
+    header = ["workload", *[f"{n} ({unit})" for n in names], *[f"{n} / {names[0]}" for n in names[1:]]]
+    body = []
+    for workload, results, per in rows:
+        base = results[0].median
+        times = [r.missing or f"{r.median * scale / per:.2f}" for r in results]
+        ratios = [r.missing or f"{r.median / base:.3f}x" for r in results[1:]]
+        body.append([workload, *times, *ratios])
+    if markdown:
+        lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        text = "\n".join(lines)
+        print(text)
+        return text
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for i, h in enumerate(header):
+        t.add_column(h, justify="left" if i == 0 else "right")
+    for row in body:
+        t.add_row(*row)
+    Console().print(t)
+    return None

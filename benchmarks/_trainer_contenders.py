@@ -1,0 +1,144 @@
+"""Trainer contenders for ``overhead.py``: torchrig's Trainer and Lightning's, on the same loop.
+
+Each runner builds a fresh Trainer outside the clock and times the whole ``fit()`` call
+(set-up, every step and epoch, the final logger flush and checkpoint), for ``steps`` optimizer
+steps over the workload's loader. The module computes what the hand-written loop computes and
+logs the loss every step (``log_every_n_steps=1``). Progress bars draw to a discarded
+terminal, so their real rendering cost is paid without filling the benchmark's output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+Runner = Any  # Callable[[int], float], as in _common
+
+
+@contextlib.contextmanager
+def _scratch_dir() -> Iterator[str]:
+    root = tempfile.mkdtemp(prefix="torchrig-bench-")
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def torchrig_trainer(w: Any) -> Runner:
+    """Our Trainer with its defaults: progress bar, CSV logger, checkpointing (each epoch, plus last)."""
+    return _torchrig(w, lean=False)
+
+
+def torchrig_trainer_lean(w: Any) -> Runner:
+    """Our Trainer with progress bar, logger and checkpointing off."""
+    return _torchrig(w, lean=True)
+
+
+def _torchrig(w: Any, *, lean: bool) -> Runner:
+    from rich.console import Console
+
+    from torchrig.trainer.module import TrainingModule
+    from torchrig.trainer.progress import ProgressBar
+    from torchrig.trainer.trainer import Trainer
+
+    class Module(TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = w.model()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return w.optimizer(self.net)
+
+    module, loader = Module(), w.loader()
+    devnull = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the runner)
+
+    def run(steps: int) -> float:
+        with _scratch_dir() as root:
+            if lean:
+                extra: dict[str, Any] = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False)
+            else:  # the default bar, drawing to a terminal whose output is thrown away
+                extra = dict(callbacks=[ProgressBar(console=Console(file=devnull, force_terminal=True))])
+            trainer = Trainer(
+                accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1, default_root_dir=root, **extra
+            )
+            start = time.perf_counter()
+            trainer.fit(module, loader)
+            return time.perf_counter() - start
+
+    return run
+
+
+def lightning_trainer(w: Any) -> Runner:
+    """Lightning's Trainer with its defaults (progress bar, logger, checkpointing, model summary)."""
+    return _lightning(w, lean=False)
+
+
+def lightning_trainer_lean(w: Any) -> Runner:
+    """Lightning's Trainer with progress bar, logger, checkpointing and model summary off."""
+    return _lightning(w, lean=True)
+
+
+def _lightning(w: Any, *, lean: bool) -> Runner:
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = w.model()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return w.optimizer(self.net)
+
+    module, loader = Module(), w.loader()
+    devnull = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the runner)
+
+    def run(steps: int) -> float:
+        with _scratch_dir() as root:
+            extra: dict[str, Any] = {}
+            if lean:
+                extra = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False)
+                extra["enable_model_summary"] = False
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1, default_root_dir=root, **extra
+            )
+            with (
+                contextlib.redirect_stdout(devnull),
+                contextlib.redirect_stderr(devnull),
+                warnings.catch_warnings(),
+            ):
+                warnings.simplefilter("ignore")  # "num_workers is low" and similar advice
+                start = time.perf_counter()
+                trainer.fit(module, loader)
+                return time.perf_counter() - start
+
+    return run
+
+
+#: name -> contender, in the order they appear in the table.
+TRAINER_CONTENDERS = {
+    "torchrig Trainer": torchrig_trainer,
+    "torchrig Trainer lean": torchrig_trainer_lean,
+    "Lightning Trainer": lightning_trainer,
+    "Lightning Trainer lean": lightning_trainer_lean,
+}

@@ -1,0 +1,279 @@
+"""``save`` and ``load`` of whole (non-sharded) checkpoints; sharded ones go to :mod:`.sharded`."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchrig.checkpoint import sharded
+from torchrig.checkpoint.files import (
+    FORMAT,
+    FORMAT_VERSION,
+    CheckpointError,
+    FileSet,
+    VerifiedReader,
+    apply_retention,
+    commit,
+    discard,
+    read_meta,
+    remove_stale_temps,
+    resolve_checkpoint,
+    safe_torch_load,
+    temp_dir_for,
+    unsafe_globals,
+    update_link,
+    write_meta,
+)
+from torchrig.checkpoint.state import (
+    capture_rng,
+    check_key,
+    compare_module,
+    from_safetensors_file,
+    is_stateful,
+    restore_rng,
+    split_module_state,
+    summary_values,
+    to_safetensors_bytes,
+    unwrap_module,
+)
+
+STATE_FILE = "state.pt"
+
+
+def _qualname(obj: Any) -> str:
+    from torchrig.wrappers import RigOptimizer
+
+    if isinstance(obj, RigOptimizer):
+        obj = obj.optimizer
+    t = type(unwrap_module(obj)) if isinstance(obj, nn.Module) else type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def collect(rig: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """Everything to write, taken on every rank (state-dict calls may be collectives)."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    extras: dict[str, dict[str, Any]] = {}
+    objects: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for key, obj in state.items():
+        check_key(key)
+        if isinstance(obj, nn.Module):
+            sd = rig.strategy.module_state_dict(unwrap_module(obj))
+            modules[key], extras[key] = split_module_state(sd)
+            entries[key] = {"kind": "module", "type": _qualname(obj), "file": f"{key}.safetensors"}
+        elif is_stateful(obj):
+            objects[key] = obj.state_dict()
+            entries[key] = {"kind": "state", "type": _qualname(obj)}
+        else:
+            values[key] = obj
+            entries[key] = {"kind": "value", "type": _qualname(obj)}
+    rng = capture_rng(rig.device)
+    if rig.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        ranks: list[Any] = [None] * rig.world_size
+        torch.distributed.all_gather_object(ranks, rng)
+        rng_all: list[Any] = ranks
+    else:
+        rng_all = [rng]
+    blob = {"objects": objects, "values": values, "module_extras": extras, "rng": rng_all}
+    return {"modules": modules, "blob": blob, "entries": entries}
+
+
+def base_meta(rig: Any, entries: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    from torchrig import __version__
+
+    summary = summary_values(values)
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "saved_at_ns": time.time_ns(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "torchrig": __version__,
+        "world_size": rig.world_size,
+        "device_type": rig.device.type,
+        "precision": getattr(rig.precision, "name", None),
+        "entries": entries,
+        "values": summary,
+        "step": summary.get("step", summary.get("global_step")),
+        "epoch": summary.get("epoch"),
+    }
+
+
+def serialize_blob(blob: dict[str, Any]) -> bytes:
+    """``torch.save`` bytes, refused at save time if ``weights_only`` loading could not read them."""
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    data = buf.getvalue()
+    bad = unsafe_globals(data)
+    if bad:
+        raise TypeError(
+            f"the checkpoint state holds Python objects that cannot be loaded safely: {', '.join(bad)}. "
+            "A checkpoint stores tensors, numbers, strings, lists, tuples and dicts only (loading never "
+            "unpickles arbitrary objects); convert these values to plain types, or give the object "
+            "state_dict()/load_state_dict() that return plain types"
+        )
+    return data
+
+
+def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | None, link: str | None) -> None:
+    """Rank zero: write every file into a temp dir, fsync, then rename it into place."""
+    state_bytes = serialize_blob(payload["blob"])  # fails before any file is touched
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(target.parent)
+    tmp = temp_dir_for(target)
+    try:
+        tensors = params = 0
+        with FileSet(tmp) as files:
+            files.add(STATE_FILE, state_bytes)
+            for key, sd in payload["modules"].items():
+                files.add(f"{key}.safetensors", to_safetensors_bytes(sd))
+                unique = {(t.data_ptr(), t.shape, t.dtype): t for t in sd.values()}  # tied weights count once
+                tensors += len(sd)
+                params += sum(t.numel() for t in unique.values() if t.is_floating_point() or t.is_complex())
+            table = files.finish()
+        meta = base_meta(rig, payload["entries"], payload["blob"]["values"])
+        meta.update(sharded=False, files=table, tensors=tensors, parameters=params)
+        write_meta(tmp, meta)
+        commit(tmp, target)
+    except BaseException:
+        discard(tmp)
+        raise
+    if link:
+        update_link(target, link)
+    if keep_last is not None:
+        apply_retention(target, keep_last)
+
+
+def save(
+    rig: Any,
+    path: str | os.PathLike[str],
+    state: dict[str, Any],
+    *,
+    keep_last: int | None = None,
+    link: str | None = "last",
+) -> Path:
+    """Save ``state`` atomically as the checkpoint directory ``path``; see :mod:`torchrig.checkpoint`."""
+    if not isinstance(state, dict):
+        raise TypeError(f"save() takes state as a dict such as {{'model': model, 'step': 3}}, got {type(state)}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r} must be a positive int (or None to keep every checkpoint)")
+    target = Path(path).absolute()
+    if link is not None and target.name == link:
+        raise ValueError(
+            f"cannot save to {target}: {link!r} is the link torchrig points at the newest checkpoint; "
+            "save to a named directory such as 'step-000100'"
+        )
+    for key in state:
+        check_key(key)
+    if getattr(rig.strategy, "sharded", False):
+        return sharded.save(rig, target, state, keep_last=keep_last, link=link)
+    payload = collect(rig, state)
+    error: BaseException | None = None
+    if rig.is_global_zero:
+        try:
+            write(rig, target, payload, keep_last=keep_last, link=link)
+        except BaseException as err:
+            error = err
+    if rig.world_size > 1:  # every rank learns whether rank zero succeeded (this is the barrier)
+        msg = rig.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+        if msg is not None and error is None:
+            raise RuntimeError(f"rank 0 failed to save the checkpoint {target}: {msg}")
+    if error is not None:
+        raise error
+    return target
+
+
+def load(
+    rig: Any,
+    path: str | os.PathLike[str],
+    state: dict[str, Any] | None = None,
+    strict: bool = True,
+    *,
+    map_location: torch.device | str | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint into the objects of ``state`` in place; returns what is left over."""
+    folder = resolve_checkpoint(path)
+    meta = read_meta(folder)
+    if state is not None and not isinstance(state, dict):
+        raise TypeError(f"load() takes state as a dict of the objects to fill, got {type(state)}")
+    device = torch.device(map_location) if map_location is not None else rig.device
+    if meta.get("sharded"):
+        return sharded.load(rig, folder, meta, state, strict=strict, verify=verify)
+    entries: dict[str, dict[str, Any]] = meta["entries"]
+    wanted = state if state is not None else {}
+    missing = [k for k in wanted if k not in entries]
+    if missing and strict:
+        raise CheckpointError(
+            f"the checkpoint {folder} has no entries {missing}; it has {sorted(entries)} "
+            "(pass strict=False to load only what is there)"
+        )
+    with VerifiedReader(folder, meta, verify=verify) as reader:
+        blob = reader.read(STATE_FILE, lambda p: safe_torch_load(p, map_location=device))
+        tensors = {
+            key: reader.read(e["file"], lambda p: from_safetensors_file(p, "cpu"))
+            for key, e in entries.items()
+            if e["kind"] == "module"
+        }
+        reader.check()  # nothing is touched unless every file is intact
+    return _apply(rig, folder, entries, blob, tensors, state, strict=strict, device=device)
+
+
+def _apply(
+    rig: Any,
+    folder: Path,
+    entries: dict[str, dict[str, Any]],
+    blob: dict[str, Any],
+    tensors: dict[str, dict[str, torch.Tensor]],
+    state: dict[str, Any] | None,
+    *,
+    strict: bool,
+    device: torch.device,
+) -> dict[str, Any]:
+    wanted = state if state is not None else {}
+    modules = {k: o for k, o in wanted.items() if isinstance(o, nn.Module) and k in entries}
+    problems = []
+    for key, obj in modules.items():
+        if entries[key]["kind"] != "module":
+            problems.append(f"checkpoint entry {key!r} holds a {entries[key]['type']}, not a module's weights")
+            continue
+        wrong, message = compare_module(key, unwrap_module(obj), tensors[key])
+        if message is not None and strict:
+            problems.append(message)
+        for name in wrong:
+            tensors[key].pop(name)
+    if problems:
+        raise CheckpointError("\n".join(problems))
+    for key, obj in modules.items():
+        sd = {**tensors.pop(key), **blob["module_extras"].get(key, {})}
+        unwrap_module(obj).load_state_dict(sd, strict=strict)
+    for key, obj in wanted.items():
+        if key in modules or key not in entries or not is_stateful(obj):
+            continue
+        if key not in blob["objects"]:
+            raise CheckpointError(f"checkpoint entry {key!r} holds a {entries[key]['type']}, which has no state_dict")
+        try:
+            obj.load_state_dict(blob["objects"].pop(key))
+        except (ValueError, KeyError, RuntimeError, TypeError) as err:
+            raise CheckpointError(
+                f"could not load checkpoint entry {key!r} (saved from a {entries[key]['type']}) into "
+                f"the {type(obj).__name__} given: {err}"
+            ) from err
+    if state is not None:
+        rngs = blob["rng"]
+        restore_rng(rngs[rig.global_rank] if len(rngs) == rig.world_size else rngs[0], rig.device)
+    left: dict[str, Any] = dict(blob["values"])
+    left.update(blob["objects"])
+    left.update({k: {n: t.to(device) for n, t in sd.items()} for k, sd in tensors.items() if k not in modules})
+    for key in wanted:
+        if key in left and not is_stateful(wanted[key]):
+            wanted[key] = left[key]
+    return left

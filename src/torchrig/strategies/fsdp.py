@@ -1,0 +1,196 @@
+"""``FSDPStrategy``: parameters, gradients and optimizer state sharded with FSDP2 ``fully_shard``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchrig.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
+
+WrapPolicy = Callable[[nn.Module], bool]
+#: Device types FSDP2 does not run on (no sharded collectives there).
+UNSUPPORTED = {"mps": "MPS has no distributed backend for its tensors", "xla": "XLA shards through torch_xla's SPMD"}
+
+
+def _as_policy(policy: Any) -> WrapPolicy | None:
+    if policy is None:
+        return None
+    if isinstance(policy, type) and issubclass(policy, nn.Module):
+        policy = {policy}
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise TypeError(f"auto_wrap_policy={policy!r} must hold nn.Module subclasses (the layers to shard)")
+        return lambda module: isinstance(module, classes)
+    if callable(policy):
+        return policy  # type: ignore[no-any-return]
+    raise TypeError(
+        f"auto_wrap_policy={policy!r} must be a set of layer classes (e.g. {{nn.TransformerEncoderLayer}}) "
+        "or a function module -> bool"
+    )
+
+
+class FSDPStrategy(ParallelStrategy):
+    """Fully sharded data parallel with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+    Each submodule the wrap policy selects becomes its own shard group (its parameters are
+    gathered just for its forward/backward), then the root module is sharded. Parameters become
+    ``DTensor`` shards; optimizers created before ``prepare`` are switched to them.
+
+    Args:
+        auto_wrap_policy: layer classes (``{Block}``) or a function ``module -> bool`` choosing the
+            submodules that are sharded on their own. None: only the whole model.
+        cpu_offload: keep parameter shards, gradients and optimizer state in host memory.
+        reshard_after_forward: free gathered parameters after forward (less memory, more traffic).
+        mixed_precision: a ``MixedPrecisionPolicy``; default: from the Rig's precision
+            (``bf16-mixed`` computes in bf16 and reduces gradients in fp32).
+        process_group_backend, timeout, start_method: as for :class:`~torchrig.strategies.ddp.DDPStrategy`.
+
+    Example:
+        >>> from torch import nn
+        >>> strategy = FSDPStrategy(auto_wrap_policy={nn.TransformerEncoderLayer})
+        >>> strategy.sharded
+        True
+    """
+
+    name = "fsdp"
+    #: Checkpoints of this strategy are sharded (torch.distributed.checkpoint).
+    sharded = True
+    #: ``Rig.prepare`` leaves meta parameters to this strategy: each rank materialises its shard.
+    materializes_meta = True
+
+    def __init__(
+        self,
+        *,
+        auto_wrap_policy: set[type[nn.Module]] | Iterable[type[nn.Module]] | WrapPolicy | None = None,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        mixed_precision: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        start_method: str = "popen",
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        self.auto_wrap_policy = _as_policy(auto_wrap_policy)
+        self.cpu_offload = cpu_offload
+        self.reshard_after_forward = reshard_after_forward
+        self.mixed_precision = mixed_precision
+        # id(original parameter) -> (its shape, the sharded parameter that replaced it)
+        self._swapped: dict[int, tuple[torch.Size, nn.Parameter]] = {}
+
+    def backend(self) -> str:
+        device_type = self.parallel_devices[0].type
+        if device_type in UNSUPPORTED:
+            raise ValueError(
+                f"strategy='fsdp' does not run on {device_type}: {UNSUPPORTED[device_type]}. "
+                "Use strategy='ddp' for several processes, or 'single'"
+            )
+        return super().backend()
+
+    def _shard_kwargs(self) -> dict[str, Any]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        root = self.root_device
+        if self.cpu_offload and root.type == "cpu":
+            raise ValueError(
+                "FSDPStrategy(cpu_offload=True) moves shards from an accelerator to host memory, but this run "
+                "is already on the CPU; drop cpu_offload"
+            )
+        policy = self.mixed_precision
+        if policy is None:
+            dtype = self.precision.autocast_dtype if self.precision is not None else None
+            policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        return {
+            "mesh": init_device_mesh(root.type, (self.world_size,)),
+            "mp_policy": policy,
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard the policy's submodules, then the root; materialise meta parameters shard by shard."""
+        from torch.distributed.fsdp import fully_shard
+
+        before = {name: (id(p), p.shape) for name, p in module.named_parameters()}
+        on_meta = any(p.is_meta for p in module.parameters())
+        if not on_meta and not self.cpu_offload:
+            module = module.to(self.root_device)
+        kwargs = self._shard_kwargs()
+        if self.auto_wrap_policy is not None:
+            for sub in reversed(list(module.modules())):  # innermost first, as fully_shard expects
+                if sub is not module and self.auto_wrap_policy(sub):
+                    fully_shard(sub, **kwargs)
+        fully_shard(module, **kwargs)
+        if on_meta:
+            module.to_empty(device=self.root_device)  # only the local shards get memory
+            for sub in module.modules():
+                reset = getattr(sub, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+        after = dict(module.named_parameters())
+        for name, (old_id, shape) in before.items():
+            if name in after:
+                self._swapped[old_id] = (shape, after[name])
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point the optimizer at the sharded parameters (it may have been made before ``prepare``)."""
+        if optimizer.state:
+            raise ValueError(
+                "the optimizer already has state (it has stepped), but FSDP replaces the parameters with "
+                "shards in prepare(); prepare the optimizer before its first step and load saved state after"
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [self._sharded(p) for p in group["params"]]
+        return optimizer
+
+    def _sharded(self, param: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(param, DTensor):
+            return param
+        found = self._swapped.get(id(param))
+        if found is None or found[0] != param.shape:
+            raise ValueError(
+                f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not in any module "
+                "prepared with strategy='fsdp'; prepare the model before (or together with) its optimizer"
+            )
+        return found[1]
+
+    def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        return _no_gradient_sync(module) if enabled and hasattr(module, "set_requires_gradient_sync") else (
+            contextlib.nullcontext()
+        )
+
+    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The full state dict, gathered to rank 0 in host memory (other ranks get ``{}``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from torchrig.strategies.ddp import unwrap_module
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(unwrap_module(module), options=options)
+
+    def __repr__(self) -> str:
+        return f"FSDPStrategy(cpu_offload={self.cpu_offload}, reshard_after_forward={self.reshard_after_forward})"
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(module: nn.Module) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)  # type: ignore[operator]

@@ -1,0 +1,303 @@
+"""Starting the processes of a run, and stopping all of them when one fails.
+
+Two launchers, both on the standard library and ``torch.multiprocessing``:
+
+* :class:`SubprocessLauncher` (``strategy="ddp"`` run as ``python script.py``): this process
+  becomes local rank 0 and re-runs the same command line for ranks 1..N-1 with the
+  ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables torchrun would set. It watches its children:
+  when one exits with an error the others are stopped and this process exits non-zero.
+* :func:`spawn` (``ddp_spawn``, ``ddp_notebook``): ``torch.multiprocessing.start_processes``
+  with ``spawn`` or ``fork``; it already stops every worker when one raises and re-raises the
+  error, naming the process, in the parent.
+
+Under torchrun or SLURM neither is used: the launcher already started (and watches) every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from torchrig.strategies.environment import ClusterEnvironment, find_free_port
+
+#: Set in processes started by :class:`SubprocessLauncher`: the pid of the rank-0 process.
+PARENT_PID_VAR = "TORCHRIG_PARENT_PID"
+
+
+def script_command() -> list[str]:
+    """The command line that started this process, to start the other ranks with."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":  # python -m package.module
+        name = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return [sys.executable, "-m", name, *sys.argv[1:]]
+    main_file = getattr(__main__, "__file__", None)
+    if not main_file or not sys.argv or sys.argv[0] in ("", "-c"):
+        raise ValueError(
+            "strategy='ddp' starts the other processes by running this script again, but this process "
+            "was not started from a script file (an interactive session, a notebook, or python -c). "
+            "Use strategy='ddp_notebook' (fork) or 'ddp_spawn' with rig.launch(fn), or start the "
+            "script with `torchrig run --devices N script.py`"
+        )
+    return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+
+
+def rank_env(
+    *, global_rank: int, local_rank: int, node_rank: int, world_size: int, local_world_size: int, addr: str, port: int
+) -> dict[str, str]:
+    """The variables torchrun sets for one worker."""
+    return {
+        "RANK": str(global_rank),
+        "LOCAL_RANK": str(local_rank),
+        "GROUP_RANK": str(node_rank),
+        "NODE_RANK": str(node_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+    }
+
+
+def _rendezvous(num_nodes: int) -> tuple[str, int, int]:
+    """``MASTER_ADDR``/``MASTER_PORT``/``NODE_RANK`` from the environment, or this host and a free port."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    node_rank = int(os.environ.get("NODE_RANK", "0"))
+    port_s = os.environ.get("MASTER_PORT")
+    if port_s is None and num_nodes > 1:
+        raise ValueError(
+            f"num_nodes={num_nodes} without a launcher needs MASTER_ADDR, MASTER_PORT and NODE_RANK set on every "
+            "machine (the same address and port everywhere); or start each machine with "
+            "`torchrig run --num-nodes N --node-rank R --master-addr HOST --master-port PORT script.py`"
+        )
+    return addr, int(port_s) if port_s else find_free_port(addr), node_rank
+
+
+class SubprocessLauncher:
+    """Re-runs this script for local ranks 1..N-1 and watches them; this process is local rank 0.
+
+    Args:
+        num_processes: processes on this machine.
+        num_nodes: machines in the run.
+        join_timeout: seconds to wait at exit for the other ranks before stopping them.
+    """
+
+    def __init__(self, *, num_processes: int, num_nodes: int, join_timeout: float) -> None:
+        self.num_processes = num_processes
+        self.num_nodes = num_nodes
+        self.join_timeout = join_timeout
+        self.children: dict[int, subprocess.Popen[bytes]] = {}
+        self._done = threading.Event()
+
+    def start(self) -> ClusterEnvironment:
+        """Start the other local ranks; returns this process's place in the run."""
+        cmd = script_command()
+        addr, port, node_rank = _rendezvous(self.num_nodes)
+        n, world = self.num_processes, self.num_processes * self.num_nodes
+        for local_rank in range(1, n):
+            env = dict(os.environ)
+            env.update(
+                rank_env(
+                    global_rank=node_rank * n + local_rank,
+                    local_rank=local_rank,
+                    node_rank=node_rank,
+                    world_size=world,
+                    local_world_size=n,
+                    addr=addr,
+                    port=port,
+                )
+            )
+            env[PARENT_PID_VAR] = str(os.getpid())
+            self.children[node_rank * n + local_rank] = subprocess.Popen(cmd, env=env)
+        own = rank_env(
+            global_rank=node_rank * n,
+            local_rank=0,
+            node_rank=node_rank,
+            world_size=world,
+            local_world_size=n,
+            addr=addr,
+            port=port,
+        )
+        os.environ.update(own)  # so code that reads RANK/WORLD_SIZE sees what the children see
+        threading.Thread(target=self._watch, name="torchrig-watch-ranks", daemon=True).start()
+        atexit.register(self.join)
+        return ClusterEnvironment(
+            kind="torchrig",
+            global_rank=node_rank * n,
+            local_rank=0,
+            node_rank=node_rank,
+            world_size=world,
+            local_world_size=n,
+            master_addr=addr,
+            master_port=port,
+        )
+
+    def _watch(self) -> None:
+        # A failed rank leaves the others blocked in a collective until the timeout; stop them now.
+        while not self._done.is_set():
+            for rank, proc in list(self.children.items()):
+                code = proc.poll()
+                if code is not None and code != 0:
+                    _stderr(f"torchrig: rank {rank} exited with code {code}; stopping the other ranks\n")
+                    self.kill()
+                    os._exit(1)
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        """Stop every child still running (SIGTERM, then SIGKILL after 3 s)."""
+        self._done.set()
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 3
+        for proc in self.children.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def join(self) -> None:
+        """Wait for the children at exit; exit non-zero when one of them failed."""
+        deadline = time.monotonic() + self.join_timeout
+        failed = []
+        for rank, proc in self.children.items():
+            try:
+                code = proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = None
+            if code != 0:
+                failed.append((rank, code))
+        self._done.set()
+        if failed:
+            self.kill()
+            what = ", ".join(f"rank {r} ({'still running' if c is None else f'exit code {c}'})" for r, c in failed)
+            _stderr(f"torchrig: {what} did not finish cleanly\n")
+            os._exit(1)
+
+
+def watch_parent() -> None:
+    """In a rank started by :class:`SubprocessLauncher`: exit if rank 0 disappears."""
+    parent = os.environ.get(PARENT_PID_VAR)
+    if not parent:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(0.5)
+        _stderr(f"torchrig: rank 0 (pid {parent}) is gone; rank {os.environ.get('RANK')} stops too\n")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="torchrig-watch-parent", daemon=True).start()
+
+
+def _stderr(text: str) -> None:
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def install_failure_report(rank: int, world_size: int, on_failure: Callable[[], None] | None = None) -> None:
+    """Make an uncaught exception name the failing rank, stop local children, and tell torchrun.
+
+    Under torchrun the error is also written to ``TORCHELASTIC_ERROR_FILE`` so torchrun's summary
+    shows this rank's error instead of "To enable traceback see...".
+    """
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if on_failure is not None:
+            on_failure()
+        previous(tp, value, tb)
+        _stderr(f"torchrig: rank {rank} of {world_size} failed with {tp.__name__}: {value}\n")
+        if os.environ.get("TORCHELASTIC_ERROR_FILE") and isinstance(value, Exception):
+            try:
+                from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+                get_error_handler().record_exception(value)
+            except Exception:
+                traceback.print_exc()
+
+    sys.excepthook = hook
+
+
+def _spawn_worker(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    base: dict[str, Any],
+    queue: Any,
+) -> None:
+    n, node_rank = base["num_processes"], base["node_rank"]
+    global_rank = node_rank * n + local_rank
+    os.environ.update(
+        rank_env(
+            global_rank=global_rank,
+            local_rank=local_rank,
+            node_rank=node_rank,
+            world_size=n * base["num_nodes"],
+            local_world_size=n,
+            addr=base["addr"],
+            port=base["port"],
+        )
+    )
+    result = fn(*args, **kwargs)
+    if global_rank == 0:
+        try:
+            queue.put(result)
+        except Exception as err:  # an unpicklable result must not fail a finished run
+            _stderr(f"torchrig: the return value of rank 0 could not be sent back ({err}); returning None\n")
+            queue.put(None)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    num_processes: int,
+    num_nodes: int,
+    start_method: str,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` in ``num_processes`` new processes; returns rank 0's result.
+
+    ``fn`` and its arguments must be picklable for ``start_method="spawn"`` (define ``fn`` at module
+    level). If a worker raises, the others are stopped and the error is raised here.
+    """
+    if start_method == "fork":
+        _check_fork_safe()
+    addr, port, node_rank = _rendezvous(num_nodes)
+    base = {"num_processes": num_processes, "num_nodes": num_nodes, "node_rank": node_rank, "addr": addr, "port": port}
+    queue = mp.get_context(start_method).SimpleQueue()
+    mp.start_processes(
+        _spawn_worker, args=(fn, args, kwargs, base, queue), nprocs=num_processes, start_method=start_method
+    )
+    return None if queue.empty() else queue.get()
+
+
+def _check_fork_safe() -> None:
+    import torch
+
+    for device_type in ("cuda", "xpu"):
+        mod = getattr(torch, device_type, None)
+        initialized = getattr(mod, "is_initialized", None)
+        if callable(initialized) and initialized():
+            raise RuntimeError(
+                f"strategy='ddp_notebook' forks the processes, but {device_type} is already initialised in "
+                "this process and cannot be used after a fork. Restart the kernel and do not touch the "
+                f"device (no tensors on {device_type}, no torch.{device_type} calls) before rig.launch(); "
+                "or use strategy='ddp_spawn' from a script"
+            )

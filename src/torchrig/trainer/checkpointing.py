@@ -1,0 +1,195 @@
+"""``ModelCheckpoint``: save the run through ``rig.save`` on a schedule, keep the best ``k``."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torchrig.trainer.callbacks import Callback
+from torchrig.trainer.metrics import to_floats
+
+if TYPE_CHECKING:
+    from torchrig.trainer.module import TrainingModule
+    from torchrig.trainer.trainer import Trainer
+
+_FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+
+
+class ModelCheckpoint(Callback):
+    """Saves resumable checkpoints (directories written atomically by :meth:`torchrig.Rig.save`).
+
+    By default it saves at the end of every epoch; ``every_n_train_steps`` saves after every n
+    optimizer steps instead (mid-epoch; a resumed fit continues at the next batch).
+
+    Args:
+        dirpath: where checkpoints go (default ``<default_root_dir>/checkpoints``).
+        filename: a name pattern with ``{epoch}``, ``{step}`` and logged metrics, e.g.
+            ``"{epoch}-{val_loss:.3f}"`` (written as ``epoch=2-val_loss=0.123``).
+        monitor: the logged metric that ranks checkpoints (None: the newest are kept).
+        mode: ``"min"`` or ``"max"``: which ``monitor`` values are better.
+        save_top_k: how many checkpoints to keep (``-1``: all; ``0``: none but ``last``).
+        every_n_train_steps: save after every this many optimizer steps.
+        every_n_epochs: save at the end of every this many epochs (default 1).
+        save_last: keep the newest checkpoint too, pointed to by the ``last`` link in ``dirpath``
+            (what ``Trainer.fit(ckpt_path="last")`` resumes from).
+
+    Example:
+        >>> cb = ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=2, save_last=True)
+        >>> # Trainer(callbacks=[cb]).fit(module, train, val); cb.best_model_path
+    """
+
+    def __init__(
+        self,
+        *,
+        dirpath: str | Path | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        save_last: bool = False,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint(mode={mode!r}); use 'min' or 'max'")
+        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k!r}) must be an int >= -1 (-1 keeps all)")
+        if monitor is None and save_top_k > 1:
+            raise ValueError(
+                f"ModelCheckpoint(save_top_k={save_top_k}) ranks checkpoints by a metric; pass monitor='val_loss' "
+                "(or what you log), or save_top_k=-1 to keep every checkpoint"
+            )
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ModelCheckpoint({name}={value!r}) must be a positive int or None")
+        if every_n_train_steps is not None and every_n_epochs is not None:
+            raise ValueError("ModelCheckpoint takes every_n_train_steps or every_n_epochs, not both")
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.filename = filename or "epoch={epoch}-step={step}"
+        self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
+        self.every_n_train_steps, self.every_n_epochs = every_n_train_steps, every_n_epochs or 1
+        self.save_last = save_last
+        self.best_k_models: dict[str, float] = {}
+        self.best_model_path = ""
+        self.best_model_score: float | None = None
+        self.last_model_path = ""
+        self._saved: list[str] = []
+        self._last_step_saved = -1
+
+    def resolve_dirpath(self, trainer: Trainer) -> Path:
+        return self.dirpath if self.dirpath is not None else trainer.default_root_dir / "checkpoints"
+
+    # -- when ------------------------------------------------------------------------------------
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        n, step = self.every_n_train_steps, trainer.global_step
+        if n is not None and step % n == 0 and step != self._last_step_saved:
+            self.save(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        if self.every_n_train_steps is None and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self.save(trainer)
+
+    # -- what ------------------------------------------------------------------------------------
+    def save(self, trainer: Trainer) -> Path | None:
+        """Save now (on every rank); returns the path, or None when the score is not in the top k."""
+        self._last_step_saved = trainer.global_step
+        score = self._score(trainer)
+        path = self.resolve_dirpath(trainer) / self.format_name(trainer)
+        ranked = self.monitor is not None and self.save_top_k != 0
+        keep = ranked and self._in_top_k(score)
+        # Rank zero decides, so every rank takes part in the same saves (a save is collective).
+        keep, write = trainer.rig.broadcast((keep, keep or self.save_last or (not ranked and self.save_top_k != 0)))
+        if not write:
+            return None
+        # The bookkeeping is updated first so that the checkpoint itself records it.
+        key = str(path)
+        if keep:
+            self.best_k_models[key] = score  # type: ignore[assignment]
+            if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
+                self.best_k_models.pop(self._worst())
+            best = min if self.mode == "min" else max
+            self.best_model_path = best(self.best_k_models, key=self.best_k_models.__getitem__)
+            self.best_model_score = self.best_k_models[self.best_model_path]
+        elif not ranked and self.save_top_k != 0:
+            newest = {key: float(trainer.global_step)}
+            self.best_k_models = newest if self.save_top_k == 1 else {**self.best_k_models, **newest}
+            self.best_model_path = key
+        self.last_model_path = key
+        if key not in self._saved:
+            self._saved.append(key)
+        trainer.save_checkpoint(path, link="last" if self.save_last else None)
+        self._remove_stale(trainer)
+        return path
+
+    def format_name(self, trainer: Trainer) -> str:
+        """The directory name for the current epoch, step and metrics."""
+        names = [m.group(1) for m in _FIELD.finditer(self.filename)]
+        metrics = trainer.callback_metrics
+        values: dict[str, Any] = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+        wanted = {n: metrics[n] for n in names if n in metrics and n not in values}
+        values.update(to_floats(wanted))
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise ValueError(
+                f"ModelCheckpoint(filename={self.filename!r}) uses {missing}, which were not logged; "
+                f"logged: {sorted(metrics) or 'none'}"
+            )
+        pattern = _FIELD.sub(lambda m: f"{m.group(1)}={{{m.group(1)}{m.group(2) or ''}}}", self.filename)
+        if "=" in self.filename:  # the default pattern (or a user's) already says name=
+            pattern = self.filename
+        return pattern.format(**values).replace("/", "_")
+
+    def _score(self, trainer: Trainer) -> float | None:
+        if self.monitor is None:
+            return None
+        metrics = trainer.callback_metrics
+        if self.monitor not in metrics:
+            raise ValueError(
+                f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric; logged: "
+                f"{sorted(metrics) or 'none'}. Log it with self.log({self.monitor!r}, value)"
+            )
+        return float(metrics[self.monitor])
+
+    def _in_top_k(self, score: float | None) -> bool:
+        if score is None or math.isnan(score):
+            return False
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            return True
+        worst = self.best_k_models[self._worst()]
+        return score < worst if self.mode == "min" else score > worst
+
+    def _worst(self) -> str:
+        pick = max if self.mode == "min" else min
+        return pick(self.best_k_models, key=self.best_k_models.__getitem__)
+
+    def _remove_stale(self, trainer: Trainer) -> None:
+        keep = set(self.best_k_models) | ({self.last_model_path} if self.save_last else set())
+        stale = [p for p in self._saved if p not in keep]
+        self._saved = [p for p in self._saved if p in keep]
+        if trainer.is_global_zero:
+            for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
+
+    # -- resumable -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best_k_models": dict(self.best_k_models),
+            "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score,
+            "last_model_path": self.last_model_path,
+            "saved": list(self._saved),
+            "last_step_saved": self._last_step_saved,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_k_models = dict(state.get("best_k_models", {}))
+        self.best_model_path = state.get("best_model_path", "")
+        self.best_model_score = state.get("best_model_score")
+        self.last_model_path = state.get("last_model_path", "")
+        self._saved = list(state.get("saved", []))
+        self._last_step_saved = int(state.get("last_step_saved", -1))

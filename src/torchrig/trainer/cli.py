@@ -1,0 +1,147 @@
+"""``CLI``: a command line for your training script, built from your classes' signatures.
+
+``CLI(MyModule, MyData)`` gives ``fit``, ``validate``, ``test`` and ``predict`` subcommands.
+Every ``__init__`` argument of the Trainer, the module and the datamodule becomes an option
+(``--trainer.max_epochs``, ``--model.lr``, ``--data.batch_size``), typed and documented from
+the signature and docstring by jsonargparse; ``--config file.yaml`` reads them from a file,
+``--print_config`` prints the resolved configuration, and ``--ckpt_path`` starts from a
+checkpoint. Wrong arguments exit with jsonargparse's message and status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+
+__all__ = ["CLI", "SUBCOMMANDS"]
+
+SUBCOMMANDS: dict[str, str] = {
+    "fit": "Train the model (validating as configured), optionally resuming from --ckpt_path.",
+    "validate": "Run the validation loop once and print the metrics.",
+    "test": "Run the test loop once and print the metrics.",
+    "predict": "Run the predict loop and return the predictions.",
+}
+
+
+class CLI:
+    """Parse the command line into a Trainer, a module and a datamodule, and run a subcommand.
+
+    Args:
+        module_class: your :class:`~torchrig.TrainingModule` subclass (options ``--model.*``).
+        datamodule_class: your :class:`~torchrig.DataModule` subclass (options ``--data.*``),
+            or None when the module needs no datamodule.
+        trainer_class: the Trainer class (options ``--trainer.*``).
+        args: the arguments to parse instead of ``sys.argv[1:]``: a list of strings, or a dict
+            (``{"fit": {"trainer": {...}}}`` with ``run=True``).
+        run: with True, parse a subcommand and run it; with False, there are no subcommands:
+            the classes are built and you call ``cli.trainer.fit(cli.model, ...)`` yourself.
+        trainer_defaults: defaults for Trainer arguments (overridden by config and options).
+        description: the ``--help`` text.
+
+    After parsing, ``cli.trainer``, ``cli.model``, ``cli.datamodule``, ``cli.config`` (the parsed
+    namespace), ``cli.subcommand`` and ``cli.result`` (what the subcommand returned) are set.
+
+    Example:
+        >>> # train.py:  from torchrig.cli import CLI;  CLI(MyModule, MyData)
+        >>> # shell:     python train.py fit --config config.yaml --trainer.max_epochs=5
+        >>> #            python train.py test --config config.yaml --ckpt_path=path/to/checkpoint
+    """
+
+    def __init__(
+        self,
+        module_class: type[Any],
+        datamodule_class: type[Any] | None = None,
+        *,
+        trainer_class: type[Any] | None = None,
+        args: Sequence[str] | dict[str, Any] | None = None,
+        run: bool = True,
+        trainer_defaults: dict[str, Any] | None = None,
+        description: str | None = None,
+    ) -> None:
+        if trainer_class is None:
+            from torchrig.trainer.trainer import Trainer
+
+            trainer_class = Trainer
+        for label, cls in (("module_class", module_class), ("datamodule_class", datamodule_class)):
+            if cls is not None and not isinstance(cls, type):
+                raise TypeError(
+                    f"CLI({label}=...) takes a class, got an instance of {type(cls).__name__}; "
+                    "pass the class, not an instance"
+                )
+        self.module_class = module_class
+        self.datamodule_class = datamodule_class
+        self.trainer_class = trainer_class
+        self.trainer_defaults = dict(trainer_defaults or {})
+        self.description = description or f"Train and evaluate {module_class.__name__} with torchrig."
+        self.subcommand: str | None = None
+        self.result: Any = None
+
+        self.parser = self._build_parser(run)
+        self.config: Namespace = self._parse(args)
+        section = self.config[self.subcommand] if self.subcommand else self.config
+        parser = self._subparsers[self.subcommand] if self.subcommand else self.parser
+        try:
+            # ``instantiate`` replaced ``instantiate_classes`` in jsonargparse 4.49.
+            instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+            self.config_init: Namespace = instantiate(section)
+        except (ValueError, TypeError) as err:
+            # A value that parses but that the classes reject (devices=2 on a one-device
+            # accelerator): the same clean message and exit status 2 as a parse error.
+            # JSONARGPARSE_DEBUG=1 shows the traceback instead.
+            parser.error(f"{type(err).__name__}: {err}", ex=err)
+        self.trainer: Any = self.config_init["trainer"]
+        self.model: Any = self.config_init["model"]
+        self.datamodule: Any = self.config_init.get("data")
+        if self.subcommand is not None:
+            self.result = self._run(self.subcommand, section.get("ckpt_path"))
+
+    # -- the parser ------------------------------------------------------------------------
+    def _build_parser(self, run: bool) -> ArgumentParser:
+        self._subparsers: dict[str, ArgumentParser] = {}
+        if not run:
+            parser = self._class_parser(self.description)
+            return parser
+        parser = ArgumentParser(description=self.description)
+        subcommands = parser.add_subcommands(required=True, dest="subcommand")
+        for name, help_text in SUBCOMMANDS.items():
+            sub = self._class_parser(help_text)
+            sub.add_argument(
+                "--ckpt_path",
+                type=str | None,
+                default=None,
+                help="Checkpoint to start from: a path, or 'last'/'best' where the Trainer supports it.",
+            )
+            self._subparsers[name] = sub
+            subcommands.add_subcommand(name, sub, help=help_text)
+        return parser
+
+    def _class_parser(self, description: str) -> ArgumentParser:
+        parser = ArgumentParser(description=description)
+        # ActionConfigFile also adds --print_config.
+        parser.add_argument("-c", "--config", action=ActionConfigFile, help="A YAML/JSON config file (repeatable).")
+        parser.add_class_arguments(self.trainer_class, "trainer", fail_untyped=False, sub_configs=True)
+        if self.trainer_defaults:
+            parser.set_defaults({f"trainer.{k}": v for k, v in self.trainer_defaults.items()})
+        parser.add_class_arguments(self.module_class, "model", fail_untyped=False, sub_configs=True)
+        if self.datamodule_class is not None:
+            parser.add_class_arguments(self.datamodule_class, "data", fail_untyped=False, sub_configs=True)
+        return parser
+
+    def _parse(self, args: Sequence[str] | dict[str, Any] | None) -> Namespace:
+        if isinstance(args, dict):
+            cfg = self.parser.parse_object(args)
+        else:
+            cfg = self.parser.parse_args(list(sys.argv[1:] if args is None else args))
+        self.subcommand = cfg.get("subcommand")
+        return cfg
+
+    # -- running ---------------------------------------------------------------------------
+    def _run(self, subcommand: str, ckpt_path: str | None) -> Any:
+        method = getattr(self.trainer, subcommand)
+        kwargs: dict[str, Any] = {"ckpt_path": ckpt_path}
+        if self.datamodule is not None:
+            kwargs["datamodule"] = self.datamodule
+        return method(self.model, **kwargs)

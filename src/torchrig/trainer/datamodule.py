@@ -1,0 +1,41 @@
+"""``DataModule``: the dataloaders of a run, in one object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DataModule:
+    """Groups the data a run needs. Override the dataloaders you use.
+
+    ``setup(stage)`` runs in every process before the loaders are asked for (``stage`` is
+    ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``): build or split datasets there.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> class Ones(DataModule):
+        ...     def setup(self, stage):
+        ...         self.data = TensorDataset(torch.ones(8, 4), torch.ones(8, 1))
+        ...     def train_dataloader(self):
+        ...         return DataLoader(self.data, batch_size=4, shuffle=True)
+    """
+
+    def setup(self, stage: str) -> None:
+        """Prepare datasets for ``stage`` (called in every process)."""
+
+    def teardown(self, stage: str) -> None:
+        """Release what ``setup`` took."""
+
+    def train_dataloader(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no train_dataloader()")
+
+    def val_dataloader(self) -> Any:
+        """Validation loader(s); by default none (fit then skips validation)."""
+        return None
+
+    def test_dataloader(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no test_dataloader()")
+
+    def predict_dataloader(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no predict_dataloader()")

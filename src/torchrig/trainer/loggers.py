@@ -1,0 +1,430 @@
+"""Loggers: :class:`CSVLogger` (the Trainer's default) and :class:`TensorBoardLogger`.
+
+Both write into a versioned run directory ``<root_dir>/<name>/version_N`` and keep logged
+tensors where they are (on the accelerator) until a flush, every ``flush_every_n_steps`` logged
+steps and at the end of the run. A flush converts everything buffered with one host-device
+sync per device (``torch.cat`` of the scalars, then one ``.tolist()``), so logging every step
+costs no per-step sync. Only global rank zero writes.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import yaml
+
+from torchrig.trainer.logger_base import Logger
+
+if TYPE_CHECKING:
+    from torchrig.trainer.trainer import Trainer
+
+__all__ = ["CSVLogger", "MetricBuffer", "TensorBoardLogger", "next_version_dir", "read_metrics"]
+
+METRICS_FILE = "metrics.csv"
+HPARAMS_FILE = "hparams.yaml"
+_VERSION_RE = re.compile(r"^version_(\d+)$")
+
+Row = tuple[int, "int | None", dict[str, float]]
+
+
+def next_version_dir(parent: str | os.PathLike[str]) -> Path:
+    """Create and return ``parent/version_N`` for the next free ``N``.
+
+    Safe when several runs start at once: ``os.makedirs(exist_ok=False)`` claims a directory
+    atomically, and a run that loses the race takes the next number.
+    """
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    taken = [int(m.group(1)) for p in parent.iterdir() if (m := _VERSION_RE.match(p.name))]
+    version = max(taken, default=-1) + 1
+    while True:
+        path = parent / f"version_{version}"
+        try:
+            os.makedirs(path, exist_ok=False)
+            return path
+        except FileExistsError:
+            version += 1
+
+
+class MetricBuffer:
+    """Rows of logged metrics whose tensor values stay on their device until :meth:`drain`.
+
+    Example:
+        >>> buf = MetricBuffer()
+        >>> buf.add({"loss": torch.tensor(0.5)}, step=1, epoch=0)
+        1
+        >>> buf.drain()
+        [(1, 0, {'loss': 0.5})]
+    """
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[int, int | None, dict[str, float | torch.Tensor]]] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, metrics: dict[str, float | torch.Tensor], *, step: int, epoch: int | None) -> int:
+        """Buffer one row; returns how many rows are buffered. No host sync."""
+        row: dict[str, float | torch.Tensor] = {}
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"logged metric {name!r} has shape {tuple(value.shape)}; loggers take scalars "
+                        "(log a reduction such as value.mean())"
+                    )
+                # A clone, because the caller may update the tensor in place (a parameter, a
+                # running sum) before the buffer is written.
+                row[name] = value.detach().reshape(()).clone()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[name] = float(value)
+            else:
+                raise TypeError(f"logged metric {name!r} is a {type(value).__name__}; log a number or a scalar tensor")
+        self._rows.append((int(step), epoch, row))
+        return len(self._rows)
+
+    def drain(self) -> list[Row]:
+        """Convert every buffered tensor to a float (one sync per device) and empty the buffer."""
+        rows, self._rows = self._rows, []
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, row in rows:
+            for v in row.values():
+                if isinstance(v, torch.Tensor):
+                    by_device.setdefault(v.device, []).append(v)
+        values: dict[int, float] = {}
+        for device, tensors in by_device.items():
+            # float64 keeps int metrics exact; MPS has no float64.
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            floats = torch.stack([t.to(dtype) for t in tensors]).tolist()
+            values.update(zip(map(id, tensors), map(_shortest, tensors, floats)))
+        return [
+            (step, epoch, {k: values[id(v)] if isinstance(v, torch.Tensor) else v for k, v in row.items()})
+            for step, epoch, row in rows
+        ]
+
+
+def _shortest(tensor: torch.Tensor, value: float) -> float:
+    """``value`` rounded to the shortest decimal that gives back the tensor's float32 (or
+    narrower) number, so a logged ``0.49`` reads ``0.49``, not ``0.49000000953674316``."""
+    if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return float(str(np.float32(value)))
+    return value
+
+
+class _RunDir:
+    """Where a logger writes; shared by the loggers through composition, not inheritance."""
+
+    def __init__(self, root_dir: str | os.PathLike[str], name: str, version: int | str | None) -> None:
+        self.root_dir = Path(root_dir)
+        self.name = name
+        self.version = version
+        self._path: Path | None = None
+
+    def path(self, create: bool) -> Path:
+        if self._path is None:
+            if self.version is None:
+                if not create:
+                    return self.root_dir / self.name / "version_?"
+                self._path = next_version_dir(self.root_dir / self.name)
+                self.version = int(self._path.name.removeprefix("version_"))
+            else:
+                tag = self.version if isinstance(self.version, str) else f"version_{self.version}"
+                self._path = self.root_dir / self.name / tag
+                if create:
+                    self._path.mkdir(parents=True, exist_ok=True)
+        return self._path
+
+
+class _BufferedLogger(Logger):
+    """What both loggers share: run directory, buffering, flush schedule, rank zero, hparams."""
+
+    def __init__(
+        self,
+        *,
+        root_dir: str | os.PathLike[str],
+        name: str,
+        version: int | str | None,
+        flush_every_n_steps: int,
+        rank_zero: bool | None,
+    ) -> None:
+        if isinstance(flush_every_n_steps, bool) or not isinstance(flush_every_n_steps, int) or flush_every_n_steps < 1:
+            raise ValueError(f"flush_every_n_steps={flush_every_n_steps!r} must be a positive int (default 100)")
+        self._run = _RunDir(root_dir, name, version)
+        self.flush_every_n_steps = flush_every_n_steps
+        self._rank_zero = rank_zero
+        self._trainer: Trainer | None = None
+        self._buffer = MetricBuffer()
+
+    # -- identity --------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._run.name
+
+    @property
+    def version(self) -> int | str:
+        self._run.path(create=self.is_writer)
+        return self._run.version if self._run.version is not None else 0
+
+    @property
+    def root_dir(self) -> Path:
+        return self._run.root_dir
+
+    @property
+    def log_dir(self) -> Path:
+        """The run directory ``<root_dir>/<name>/version_N`` (created on rank zero on first use)."""
+        return self._run.path(create=self.is_writer)
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes: global rank zero (from the Trainer when attached)."""
+        if self._rank_zero is not None:
+            return self._rank_zero
+        if self._trainer is not None:
+            return bool(getattr(self._trainer, "is_global_zero", True))
+        return int(os.environ.get("RANK", "0")) == 0
+
+    def attach(self, trainer: Trainer) -> None:
+        """Called by the Trainer before it logs: rank and epoch are then read from it."""
+        self._trainer = trainer
+
+    # -- the Logger interface --------------------------------------------------------------
+    def log_metrics(self, metrics: dict[str, float | torch.Tensor], step: int) -> None:
+        """Buffer ``metrics`` at ``step`` (tensors stay on their device); flushes every n steps."""
+        if not self.is_writer:
+            return
+        metrics = dict(metrics)
+        epoch = metrics.pop("epoch", None)
+        if epoch is None and self._trainer is not None:
+            epoch = getattr(self._trainer, "current_epoch", None)
+        epoch_int = None if epoch is None else int(epoch)
+        if self._buffer.add(metrics, step=step, epoch=epoch_int) >= self.flush_every_n_steps:
+            self.flush()
+
+    def log_hyperparams(self, params: dict[str, Any] | Any) -> None:
+        """Write ``params`` (a dict or an argparse/jsonargparse namespace) to ``hparams.yaml``."""
+        if not self.is_writer:
+            return
+        clean = _plain(params if isinstance(params, dict) else vars(params))
+        (self.log_dir / HPARAMS_FILE).write_text(yaml.safe_dump(clean, sort_keys=False))
+        self._write_hparams(clean)
+
+    def flush(self) -> None:
+        if self.is_writer and len(self._buffer):
+            self._write(self._buffer.drain())
+
+    def finalize(self, status: str) -> None:
+        self.flush()
+        self._close()
+
+    # -- what a subclass writes ------------------------------------------------------------
+    def _write(self, rows: list[Row]) -> None:
+        raise NotImplementedError
+
+    def _write_hparams(self, params: dict[str, Any]) -> None:
+        return None
+
+    def _close(self) -> None:
+        return None
+
+
+class CSVLogger(_BufferedLogger):
+    """Writes ``metrics.csv`` and ``hparams.yaml`` into ``<root_dir>/<name>/version_N``.
+
+    Columns are ``step``, ``epoch`` and the union of every metric name logged so far; when a
+    new name appears the file is rewritten once with the wider header (atomically).
+
+    Args:
+        root_dir: the directory that holds the runs (the Trainer passes ``default_root_dir``).
+        name: the experiment's directory under ``root_dir``.
+        version: ``None`` for the next free ``version_N``; an int for ``version_<int>``; a str
+            for that directory name. An existing ``metrics.csv`` there is appended to.
+        flush_every_n_steps: write the buffer after this many ``log_metrics`` calls.
+        rank_zero: whether this process writes; ``None`` asks the Trainer (global rank zero).
+
+    Example:
+        >>> import tempfile, torch
+        >>> logger = CSVLogger(root_dir=tempfile.mkdtemp())
+        >>> logger.log_metrics({"loss": torch.tensor(0.25)}, step=1)
+        >>> logger.finalize("success")
+        >>> read_metrics(logger.log_dir)
+        [{'step': 1, 'loss': 0.25}]
+    """
+
+    def __init__(
+        self,
+        *,
+        root_dir: str | os.PathLike[str] = ".",
+        name: str = "torchrig_logs",
+        version: int | str | None = None,
+        flush_every_n_steps: int = 100,
+        rank_zero: bool | None = None,
+    ) -> None:
+        super().__init__(
+            root_dir=root_dir, name=name, version=version, flush_every_n_steps=flush_every_n_steps, rank_zero=rank_zero
+        )
+        self._columns: list[str] | None = None
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.log_dir / METRICS_FILE
+
+    def _write(self, rows: list[Row]) -> None:
+        path = self.metrics_file
+        if self._columns is None:  # first write: continue an existing file (a resumed run)
+            self._columns = _read_header(path) or ["step", "epoch"]
+        new = [k for _, _, m in rows for k in m if k not in self._columns]
+        old_rows: Iterable[dict[str, str]] = ()
+        rewrite = bool(new) or not path.exists()
+        if new:
+            self._columns = self._columns + list(dict.fromkeys(new))
+            old_rows = _read_rows(path) if path.exists() else []
+        records = [{"step": s, "epoch": "" if e is None else e, **m} for s, e, m in rows]
+        if rewrite:
+            tmp = path.with_name(path.name + ".tmp")
+            with tmp.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=self._columns, restval="")
+                writer.writeheader()
+                writer.writerows(old_rows)
+                writer.writerows(records)
+            os.replace(tmp, path)  # readers never see a half-written header
+        else:
+            with path.open("a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self._columns, restval="").writerows(records)
+
+
+class TensorBoardLogger(_BufferedLogger):
+    """Writes TensorBoard event files (and ``hparams.yaml``) into ``<root_dir>/<name>/version_N``.
+
+    Needs the ``tensorboard`` package: ``pip install torchrig[tensorboard]``. Arguments as for
+    :class:`CSVLogger`.
+
+    Example:
+        >>> import tempfile, torch
+        >>> logger = TensorBoardLogger(root_dir=tempfile.mkdtemp())
+        >>> logger.log_metrics({"loss": torch.tensor(0.25)}, step=1)
+        >>> logger.finalize("success")
+    """
+
+    def __init__(
+        self,
+        *,
+        root_dir: str | os.PathLike[str] = ".",
+        name: str = "torchrig_logs",
+        version: int | str | None = None,
+        flush_every_n_steps: int = 100,
+        rank_zero: bool | None = None,
+    ) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:  # torch raises ImportError when tensorboard is missing
+            raise ImportError(
+                "TensorBoardLogger needs the tensorboard package, which is not installed; "
+                "install it with `pip install torchrig[tensorboard]` (or `pip install tensorboard`), "
+                "or use CSVLogger"
+            ) from err
+        super().__init__(
+            root_dir=root_dir, name=name, version=version, flush_every_n_steps=flush_every_n_steps, rank_zero=rank_zero
+        )
+        self._writer_class = SummaryWriter
+        self._writer: Any = None
+
+    @property
+    def writer(self) -> Any:
+        """The ``torch.utils.tensorboard.SummaryWriter`` (opened on first use, rank zero)."""
+        if self._writer is None:
+            self._writer = self._writer_class(log_dir=str(self.log_dir))
+        return self._writer
+
+    def _write(self, rows: list[Row]) -> None:
+        for step, epoch, metrics in rows:
+            for name, value in metrics.items():
+                self.writer.add_scalar(name, value, global_step=step)
+            if epoch is not None:
+                self.writer.add_scalar("epoch", epoch, global_step=step)
+        self.writer.flush()
+
+    def _write_hparams(self, params: dict[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in _flatten(params).items()}
+        # Written into this run's event file (SummaryWriter.add_hparams would open a second run).
+        for summary in hparams(flat, {}):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+    def _close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, float | int]]:
+    """The rows of ``run_dir/metrics.csv`` as dicts; empty cells are left out.
+
+    ``step`` and ``epoch`` are ints, metrics floats.
+
+    Example:
+        >>> # rows = read_metrics("torchrig_logs/version_0"); [r["val_loss"] for r in rows if "val_loss" in r]
+    """
+    path = Path(run_dir)
+    path = path if path.is_file() else path / METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no {METRICS_FILE} in {Path(run_dir)}; pass a run directory a CSVLogger wrote")
+    out: list[dict[str, float | int]] = []
+    for raw in _read_rows(path):
+        row: dict[str, float | int] = {}
+        for key, cell in raw.items():
+            if cell in ("", None):
+                continue
+            row[key] = int(float(cell)) if key in ("step", "epoch") else float(cell)
+        out.append(row)
+    return out
+
+
+def _read_header(path: Path) -> list[str] | None:
+    if not path.exists():
+        return None
+    with path.open(newline="") as f:
+        return next(csv.reader(f), None)
+
+
+def _read_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` made of YAML-safe types (anything else becomes its ``repr``)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    if hasattr(obj, "__dict__") and type(obj).__name__ == "Namespace":
+        return _plain(vars(obj))
+    return repr(obj)
+
+
+def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -1,0 +1,322 @@
+"""The loops a Trainer runs: fit (epochs of batches, with validation), evaluation and predict.
+
+Everything that touches devices, precision or processes goes through the Trainer's ``Rig``.
+The hot path (one training batch) does no host-device synchronisation: losses and logged
+values stay tensors on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sized
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchrig.trainer.metrics import to_floats
+
+if TYPE_CHECKING:
+    from torchrig.trainer.trainer import Trainer
+    from torchrig.wrappers import RigModule
+
+
+@dataclass
+class FitState:
+    """Where a fit is; saved in checkpoints so a resumed fit continues at the next batch."""
+
+    epoch: int = 0
+    batch_idx: int = 0  # batches of ``epoch`` already trained
+    global_step: int = 0
+    epoch_finished: bool = False  # the epoch-end work of ``epoch`` is done
+    val_pending: bool = False  # the validation after batch ``batch_idx`` has not run yet
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def call_step(prepared: RigModule, method: Any, *args: Any) -> Any:
+    """Run ``method`` (``training_step``...) *through* the prepared module.
+
+    The step becomes the module's ``forward`` for one call, so the strategy's wrapper (DDP's
+    gradient hooks, FSDP's unsharding) and the precision's autocast see it as the forward pass.
+    Inside the step, ``self(x)`` is the user's own ``forward`` again.
+    """
+    module = prepared.module
+
+    def step_forward(*a: Any) -> Any:
+        del module.forward
+        return method(*a)
+
+    module.forward = step_forward
+    try:
+        return prepared(*args)
+    finally:
+        module.__dict__.pop("forward", None)
+
+
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The loss in what ``training_step`` returned."""
+    if output is None or isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise TypeError(
+        f"training_step returned {type(output).__name__}; return the loss tensor, a dict with a 'loss' "
+        "tensor, or None to skip the batch"
+    )
+
+
+def num_batches(loader: Any, limit: int | float) -> int | float:
+    """How many batches of ``loader`` a loop runs under ``limit_*_batches``."""
+    length: int | float = len(loader) if isinstance(loader, Sized) else math.inf
+    if isinstance(limit, int):
+        return min(limit, length)
+    if math.isinf(length):
+        if limit == 1.0:
+            return length
+        raise ValueError(
+            f"limit_*_batches={limit} is a fraction, but the dataloader has no length; give an int number of batches"
+        )
+    return int(length * limit)
+
+
+# -- fit ----------------------------------------------------------------------------------
+def run_fit(trainer: Trainer) -> None:
+    """Sanity check, then epochs until ``max_epochs``, ``max_steps``, ``max_time`` or a stop."""
+    tr, state = trainer, trainer.fit_state
+    if not tr._resumed and tr.num_sanity_val_steps != 0 and tr._has_validation():
+        limit = math.inf if tr.num_sanity_val_steps == -1 else tr.num_sanity_val_steps
+        run_evaluation(tr, "sanity_check", limit_override=limit)
+    tr._call_module("on_train_start")
+    tr._started_at = time.monotonic()
+    if state.epoch_finished:
+        state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
+    while not _fit_done(tr):
+        run_train_epoch(tr)
+        if tr.should_stop:
+            break
+        state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
+    tr._call_module("on_train_end")
+
+
+def _fit_done(tr: Trainer) -> bool:
+    if tr.max_steps != -1 and tr.fit_state.global_step >= tr.max_steps:
+        return True
+    return tr.max_epochs != -1 and tr.fit_state.epoch >= tr.max_epochs
+
+
+def run_train_epoch(tr: Trainer) -> None:
+    state, loader = tr.fit_state, tr._train_loader
+    assert loader is not None
+    n = tr.num_training_batches
+    if state.batch_idx == 0 and not state.val_pending:
+        tr._train_metrics.reset()
+        tr._call_module("on_train_epoch_start")
+        tr._call_callbacks("on_train_epoch_start")
+    elif state.val_pending:  # resumed right after a batch whose validation did not run yet
+        _validate_in_fit(tr)
+    if state.batch_idx < n and not tr.should_stop:
+        if state.batch_idx == 0:
+            loader.set_epoch(state.epoch)  # a resumed mid-epoch loader already knows where it is
+        batches = iter(loader)
+        try:
+            _run_batches(tr, batches, n)
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+    _end_train_epoch(tr)
+
+
+def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
+    state = tr.fit_state
+    val_every = tr._val_check_batches(n)
+    validate_epoch = tr._has_validation() and (state.epoch + 1) % tr.check_val_every_n_epoch == 0
+    while state.batch_idx < n:
+        batch_idx = state.batch_idx
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        is_last = batch_idx + 1 >= n
+        output = train_batch(tr, batch, batch_idx, is_last)
+        state.batch_idx = batch_idx + 1
+        state.val_pending = validate_epoch and (
+            state.batch_idx % val_every == 0 or (is_last and isinstance(tr.val_check_interval, float))
+        )
+        tr._call_callbacks("on_train_batch_end", output, batch, batch_idx)
+        if state.val_pending:
+            _validate_in_fit(tr)
+        if tr._time_is_up():
+            tr.should_stop = True
+        if tr.should_stop or _fit_done(tr):
+            break
+
+
+def train_batch(tr: Trainer, batch: Any, batch_idx: int, is_last: bool) -> Any:
+    """One micro-batch: forward, backward, and at an accumulation boundary the optimizer step."""
+    rig, prepared, accumulate = tr.rig, tr._prepared_module, tr.accumulate_grad_batches
+    assert prepared is not None
+    boundary = (batch_idx + 1) % accumulate == 0 or is_last
+    tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
+    with rig.no_backward_sync(prepared, enabled=not boundary):
+        output = call_step(prepared, prepared.module.training_step, batch, batch_idx)
+        loss = loss_of(output)
+        if loss is not None:
+            rig.backward(loss / accumulate if accumulate > 1 else loss)
+    if boundary:
+        optimizer_step(tr)
+    return output
+
+
+def optimizer_step(tr: Trainer) -> None:
+    """Clip, step and zero every optimizer, step the per-step schedulers, log every n steps."""
+    rig, prepared = tr.rig, tr._prepared_module
+    assert prepared is not None
+    if tr.gradient_clip_val is not None:
+        by_norm = tr.gradient_clip_algorithm == "norm"
+        for opt in tr.optimizers:
+            clip = tr.gradient_clip_val
+            rig.clip_gradients(prepared, opt, max_norm=clip if by_norm else None, clip_val=None if by_norm else clip)
+    for opt in tr.optimizers:
+        opt.step()
+    for opt in tr.optimizers:
+        opt.zero_grad()
+    tr.fit_state.global_step += 1
+    step_schedulers(tr, "step", tr.fit_state.global_step)
+    if tr.fit_state.global_step % tr.log_every_n_steps == 0:
+        values = tr._train_metrics.step_values(for_logger=True)
+        if values:
+            tr._log_to_loggers({**values, "epoch": tr.fit_state.epoch})
+
+
+def step_schedulers(tr: Trainer, interval: str, count: int) -> None:
+    for cfg in tr.lr_scheduler_configs:
+        if cfg.interval != interval or count % cfg.frequency:
+            continue
+        if cfg.monitor is None:
+            cfg.scheduler.step()
+            continue
+        metrics = tr.callback_metrics
+        if cfg.monitor not in metrics:
+            raise ValueError(
+                f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; logged: {sorted(metrics) or 'none'}"
+            )
+        cfg.scheduler.step(float(metrics[cfg.monitor]))
+
+
+def _validate_in_fit(tr: Trainer) -> None:
+    run_evaluation(tr, "validate")
+    tr.fit_state.val_pending = False
+    tr._call_callbacks("on_validation_end")
+
+
+def _end_train_epoch(tr: Trainer) -> None:
+    tr._active_metrics, tr._logging_in_step = tr._train_metrics, False
+    tr._call_module("on_train_epoch_end")
+    epoch_values = tr._train_metrics.epoch_values()
+    tr._epoch_metrics.update(epoch_values)
+    logged = {k: v for k, v in tr._train_metrics.epoch_values(for_logger=True).items()}
+    if logged:
+        tr._log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
+    step_schedulers(tr, "epoch", tr.fit_state.epoch + 1)
+    tr.fit_state.epoch_finished = True
+    tr._call_callbacks("on_train_epoch_end")
+
+
+# -- evaluation and predict ---------------------------------------------------------------
+def run_evaluation(tr: Trainer, stage: str, limit_override: float | None = None) -> list[dict[str, torch.Tensor]]:
+    """Run ``validation_step``/``test_step`` over the stage's loaders; the epoch metrics per loader."""
+    loaders = tr._eval_loaders[stage if stage != "sanity_check" else "validate"]
+    prepared = tr._prepared_module
+    assert prepared is not None
+    method = prepared.module.test_step if stage == "test" else prepared.module.validation_step
+    store, was_training = tr._eval_metrics, prepared.module.training
+    store.reset()
+    tr._active_metrics, tr._logging_in_step = store, False
+    prepared.module.eval()
+    tr._call_callbacks("on_eval_start", stage)
+    try:
+        with torch.no_grad():
+            for idx, loader in enumerate(loaders):
+                tr._log_suffix = f"/dataloader_idx_{idx}" if len(loaders) > 1 else ""
+                n = num_batches(loader, tr._eval_limit(stage)) if limit_override is None else limit_override
+                _eval_loader(tr, stage, method, loader, idx if len(loaders) > 1 else None, n)
+            tr._log_suffix = ""
+            if stage in ("validate", "sanity_check"):
+                tr._call_module("on_validation_epoch_end")
+    finally:
+        tr._log_suffix = ""
+        prepared.module.train(was_training)
+    values = store.epoch_values()
+    results = _split_by_loader(values, len(loaders))
+    if stage != "sanity_check":
+        tr._epoch_metrics.update(values)
+        logged = store.epoch_values(for_logger=True)
+        if logged and tr._stage == "fit":
+            tr._log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
+        elif logged:
+            tr._log_to_loggers(logged)
+    tr._call_callbacks("on_eval_end", stage)
+    return results
+
+
+def _eval_loader(tr: Trainer, stage: str, method: Any, loader: Any, idx: int | None, n: float) -> None:
+    prepared = tr._prepared_module
+    assert prepared is not None
+    if n <= 0:
+        return
+    for batch_idx, batch in enumerate(loader):
+        args = (batch, batch_idx) if idx is None else (batch, batch_idx, idx)
+        output = call_step(prepared, method, *args)
+        tr._call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
+        if batch_idx + 1 >= n:
+            break
+
+
+def _split_by_loader(values: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    if count <= 1:
+        return [dict(values)]
+    out: list[dict[str, torch.Tensor]] = []
+    for idx in range(count):
+        suffix = f"/dataloader_idx_{idx}"
+        out.append({k: v for k, v in values.items() if k.endswith(suffix) or "/dataloader_idx_" not in k})
+    return out
+
+
+def run_predict(tr: Trainer) -> list[Any]:
+    """Predictions per batch, in dataset order, gathered from every process.
+
+    On ``W`` processes each returned batch holds the ``W`` per-process batches of one step,
+    interleaved back into dataset order (:meth:`torchrig.Rig.gather_for_metrics`).
+    """
+    prepared = tr._prepared_module
+    assert prepared is not None
+    loaders = tr._eval_loaders["predict"]
+    prepared.module.eval()
+    tr._call_callbacks("on_eval_start", "predict")
+    results: list[Any] = []
+    with torch.no_grad():
+        for loader in loaders:
+            n = num_batches(loader, tr.limit_predict_batches)
+            outputs: list[Any] = []
+            for batch_idx, batch in enumerate(loader):
+                if batch_idx >= n:
+                    break
+                out = call_step(prepared, prepared.module.predict_step, batch, batch_idx)
+                tr._call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
+                # In dataset order, each sample once (the sampler's padding dropped); free in one process.
+                outputs.append(tr.rig.gather_for_metrics(out))
+            results.append(outputs)
+    tr._call_callbacks("on_eval_end", "predict")
+    return results[0] if len(results) == 1 else results
+
+
+def metrics_as_floats(results: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    return [to_floats(dict(r)) for r in results]

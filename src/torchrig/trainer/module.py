@@ -1,0 +1,218 @@
+"""``TrainingModule``: an ``nn.Module`` that also says how to train, evaluate and predict.
+
+Hooks, in the order a ``fit`` calls them (the module's hook runs first, then the callbacks'
+event of the same moment, see :mod:`torchrig.trainer.callbacks`):
+
+| hook                          | when                                                         |
+|-------------------------------|--------------------------------------------------------------|
+| ``setup(stage)``              | first, in every process; ``stage`` is fit/validate/test/predict |
+| ``configure_optimizers()``    | after the module is on its device (fit only)                 |
+| ``on_train_start()``          | after the sanity validation, before the first epoch          |
+| ``on_train_epoch_start()``    | before the first batch of each epoch                         |
+| ``training_step(batch, i)``   | each batch: return the loss (or a dict with ``"loss"``)      |
+| ``validation_step(batch, i)`` | each validation batch (also during the sanity check)         |
+| ``on_validation_epoch_end()`` | after the last validation batch, before metrics are reduced  |
+| ``on_train_epoch_end()``      | after the last batch (and its validation) of each epoch      |
+| ``on_train_end()``            | after the last epoch                                         |
+| ``test_step(batch, i)``       | each batch of ``Trainer.test``                               |
+| ``predict_step(batch, i)``    | each batch of ``Trainer.predict`` (default: ``self(batch)``) |
+| ``teardown(stage)``           | last, also when the run raised                               |
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from torchrig.trainer.metrics import LogOptions
+
+if TYPE_CHECKING:
+    from torchrig.trainer.trainer import Trainer
+
+
+class TrainingModule(nn.Module):
+    """Subclass it, define ``training_step`` and ``configure_optimizers``, hand it to a Trainer.
+
+    Example:
+        >>> import torch, torchrig
+        >>> class Regressor(torchrig.TrainingModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer = torch.nn.Linear(4, 1)
+        ...     def forward(self, x):
+        ...         return self.layer(x)
+        ...     def training_step(self, batch, batch_idx):
+        ...         x, y = batch
+        ...         loss = torch.nn.functional.mse_loss(self(x), y)
+        ...         self.log("train_loss", loss, prog_bar=True)
+        ...         return loss
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+    """
+
+    _trainer: Trainer | None = None
+
+    @property
+    def trainer(self) -> Trainer:
+        """The Trainer running this module (an error outside a run)."""
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; pass it to Trainer.fit() first")
+        return self._trainer
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on (of the first parameter outside a run)."""
+        if self._trainer is not None:
+            return self._trainer.rig.device
+        for p in self.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    # -- steps --------------------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Return the loss (a scalar tensor), a dict with ``"loss"``, or None to skip the batch."""
+        raise NotImplementedError(f"{type(self).__name__} must define training_step(batch, batch_idx) to be fitted")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no validation_step(batch, batch_idx)")
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no test_step(batch, batch_idx)")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """The prediction for one batch; by default ``self(batch)``."""
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        """An optimizer; a list of optimizers; ``(optimizers, schedulers)``; or a dict
+        ``{"optimizer": opt, "lr_scheduler": sched or {"scheduler", "interval", "frequency", "monitor"}}``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers() to be fitted")
+
+    # -- hooks (do nothing by default) -------------------------------------------------------
+    def setup(self, stage: str) -> None: ...
+
+    def teardown(self, stage: str) -> None: ...
+
+    def on_train_start(self) -> None: ...
+
+    def on_train_end(self) -> None: ...
+
+    def on_train_epoch_start(self) -> None: ...
+
+    def on_train_epoch_end(self) -> None: ...
+
+    def on_validation_epoch_end(self) -> None: ...
+
+    # -- logging -----------------------------------------------------------------------------
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
+        """Log a scalar. It stays on the device; loggers and callbacks read it later.
+
+        Args:
+            name: the metric's name (``val_loss``, ``train/acc``...).
+            value: a scalar tensor or a number.
+            prog_bar: show it in the progress bar.
+            logger: send it to the logger.
+            on_step: record the value of each step (default: True in ``training_step``, else False).
+            on_epoch: record the epoch mean (default: False in ``training_step``, else True).
+            sync_dist: average across processes (step values when logged, epoch means when reduced).
+            batch_size: the weight of this value in the epoch mean (default 1).
+        """
+        trainer = self._trainer
+        if trainer is None:
+            warnings.warn(f"self.log({name!r}) outside a Trainer run is ignored", stacklevel=2)
+            return
+        in_step = trainer._logging_in_step
+        options = LogOptions(
+            prog_bar=prog_bar,
+            logger=logger,
+            on_step=in_step if on_step is None else on_step,
+            on_epoch=(not in_step) if on_epoch is None else on_epoch,
+            sync_dist=sync_dist,
+        )
+        if not (options.on_step or options.on_epoch):
+            raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing; set one to True")
+        trainer._active_metrics.log(name, value, options, batch_size)
+
+    def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
+        """``self.log(name, value, **kwargs)`` for each item."""
+        for name, value in values.items():
+            self.log(name, value, **kwargs)
+
+
+@dataclass
+class SchedulerConfig:
+    """One LR scheduler and when the Trainer steps it."""
+
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+
+
+def parse_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """The optimizers and schedulers of what ``configure_optimizers()`` returned."""
+    if isinstance(config, torch.optim.Optimizer):
+        return [config], []
+    if isinstance(config, Mapping):
+        optimizer = config.get("optimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"configure_optimizers() returned a dict whose 'optimizer' is {type(optimizer).__name__}; "
+                "it must hold a torch.optim.Optimizer under 'optimizer'"
+            )
+        sched = config.get("lr_scheduler")
+        return [optimizer], ([] if sched is None else [_scheduler_config(sched)])
+    if isinstance(config, (list, tuple)):
+        if len(config) == 2 and isinstance(config[0], (list, tuple)) and isinstance(config[1], (list, tuple)):
+            optimizers, schedulers = parse_optimizers(list(config[0]))[0], [_scheduler_config(s) for s in config[1]]
+            return optimizers, schedulers
+        if config and all(isinstance(o, torch.optim.Optimizer) for o in config):
+            return list(config), []
+    raise TypeError(
+        f"configure_optimizers() returned {type(config).__name__}: return an optimizer, a list of optimizers, "
+        "([optimizers], [schedulers]), or {'optimizer': ..., 'lr_scheduler': ...}"
+    )
+
+
+def _scheduler_config(sched: Any) -> SchedulerConfig:
+    if isinstance(sched, Mapping):
+        cfg = SchedulerConfig(
+            scheduler=sched.get("scheduler"),
+            interval=sched.get("interval", "epoch"),
+            frequency=int(sched.get("frequency", 1)),
+            monitor=sched.get("monitor"),
+        )
+    else:
+        cfg = SchedulerConfig(scheduler=sched)
+    if not isinstance(cfg.scheduler, (LRScheduler, ReduceLROnPlateau)):
+        raise TypeError(
+            f"lr_scheduler {type(cfg.scheduler).__name__} is not a torch LR scheduler; "
+            "give a torch.optim.lr_scheduler object (or {'scheduler': it, 'interval': 'step'})"
+        )
+    if cfg.interval not in ("step", "epoch"):
+        raise ValueError(f"lr_scheduler interval={cfg.interval!r}; use 'step' or 'epoch'")
+    if cfg.frequency < 1:
+        raise ValueError(f"lr_scheduler frequency={cfg.frequency}; use a positive int")
+    if isinstance(cfg.scheduler, ReduceLROnPlateau) and cfg.monitor is None:
+        raise ValueError(
+            "ReduceLROnPlateau needs the metric it watches: return "
+            "{'optimizer': opt, 'lr_scheduler': {'scheduler': plateau, 'monitor': 'val_loss'}}"
+        )
+    return cfg

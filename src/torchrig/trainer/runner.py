@@ -1,0 +1,230 @@
+"""What each Trainer entry point does in every process: set-up, the loop, errors, teardown."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from torchrig.data import RigDataLoader
+from torchrig.trainer import loops
+from torchrig.trainer.module import TrainingModule, parse_optimizers
+from torchrig.wrappers import RigModule
+
+if TYPE_CHECKING:
+    from torchrig.trainer.datamodule import DataModule
+    from torchrig.trainer.trainer import Trainer
+
+_LOADER_METHODS = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+
+
+def run_fit_stage(
+    tr: Trainer,
+    module: TrainingModule,
+    train: Any,
+    val: Any,
+    datamodule: DataModule | None,
+    ckpt_path: str | os.PathLike[str] | None,
+) -> None:
+    _begin(tr, module, "fit")
+    try:
+        _setup(tr, module, datamodule, "fit")
+        if train is None and datamodule is not None:
+            train = datamodule.train_dataloader()
+        if train is None:
+            raise ValueError(
+                "fit() needs training data: pass train_dataloaders= or a datamodule= with train_dataloader()"
+            )
+        if val is None and datamodule is not None:
+            val = datamodule.val_dataloader()
+        _prepare_module(tr, module)
+        optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers())
+        out = tr.rig.prepare(*optimizers)
+        tr.optimizers = list(out) if isinstance(out, tuple) else [out]
+        tr._train_loader = _prepare_loader(tr, train, "train_dataloaders")
+        tr._eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
+        tr.fit_state, tr.should_stop, tr._resumed = loops.FitState(), False, False
+        tr._train_metrics.reset()
+        tr._epoch_metrics.clear()
+        if ckpt_path is not None:
+            _resume(tr, ckpt_path)
+        hparams = getattr(module, "hparams", None)
+        if hparams:
+            for lg in tr.loggers:
+                lg.log_hyperparams(dict(hparams))
+        tr._call_callbacks("on_fit_start")
+        loops.run_fit(tr)
+        tr._call_callbacks("on_fit_end")
+        _finalize_loggers(tr, "success")
+    except BaseException as exc:
+        _on_error(tr, exc)
+    finally:
+        _teardown(tr, module, datamodule, "fit")
+
+
+def run_eval_stage(
+    tr: Trainer,
+    stage: str,
+    module: TrainingModule | None,
+    loaders: Any,
+    datamodule: DataModule | None,
+    ckpt_path: str | os.PathLike[str] | None,
+) -> Any:
+    if module is None:
+        module = tr.module
+    if module is None:
+        raise ValueError(f"{stage}() needs a module: pass one, or call fit() first")
+    _begin(tr, module, stage)
+    try:
+        _setup(tr, module, datamodule, stage)
+        if loaders is None and datamodule is not None:
+            loaders = getattr(datamodule, _LOADER_METHODS[stage])()
+        if loaders is None:
+            raise ValueError(
+                f"{stage}() needs data: pass dataloaders= or a datamodule= with {_LOADER_METHODS[stage]}()"
+            )
+        prepared = _prepare_module(tr, module)
+        tr._eval_loaders[stage] = _prepare_loaders(tr, loaders, "dataloaders")
+        if ckpt_path is not None:
+            path = _resolve_path(tr, ckpt_path)
+            if path is not None:
+                tr.rig.load(path, {"module": prepared})
+        if stage == "predict":
+            result: Any = loops.run_predict(tr)
+        else:
+            result = loops.metrics_as_floats(loops.run_evaluation(tr, stage))
+        _finalize_loggers(tr, "success")
+        return result
+    except BaseException as exc:
+        _on_error(tr, exc)
+        return None
+    finally:
+        _teardown(tr, module, datamodule, stage)
+
+
+# -- set-up and teardown ---------------------------------------------------------------------
+def _begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
+    if not isinstance(module, TrainingModule):
+        raise TypeError(
+            f"Trainer.{stage}() takes a torchrig.TrainingModule, got {type(module).__name__}; "
+            "subclass torchrig.TrainingModule (or use torchrig.Rig with a plain nn.Module)"
+        )
+    tr.module, tr._stage, tr.interrupted = module, stage, False
+    module._trainer = tr
+    if tr.seed is not None:
+        tr.rig.seed_everything(tr.seed)
+    if tr.deterministic is not None:
+        if tr.deterministic and tr.rig.device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
+        torch.use_deterministic_algorithms(bool(tr.deterministic), warn_only=tr.deterministic == "warn")
+
+
+def _setup(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
+    if datamodule is not None:
+        datamodule.setup(stage)
+    module.setup(stage)
+
+
+def _teardown(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
+    tr._logging_in_step, tr._active_metrics = False, tr._train_metrics
+    module.teardown(stage)
+    if datamodule is not None:
+        datamodule.teardown(stage)
+    tr._stage = None
+
+
+def _on_error(tr: Trainer, exc: BaseException) -> None:
+    """Tell the callbacks, close the loggers; a Ctrl-C ends the run quietly, anything else re-raises."""
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    try:
+        if tr.module is not None:
+            tr._call_callbacks("on_exception", exc)
+    finally:
+        _finalize_loggers(tr, "interrupted" if interrupted else "failed")
+    if not interrupted:
+        raise exc
+    tr.interrupted = tr.should_stop = True
+    tr.rig.print("torchrig: KeyboardInterrupt: stopped the run; the checkpoints already written are intact")
+
+
+def _finalize_loggers(tr: Trainer, status: str) -> None:
+    for lg in tr.loggers:
+        lg.finalize(status)
+
+
+# -- preparing ----------------------------------------------------------------------------------
+def _prepare_module(tr: Trainer, module: TrainingModule) -> RigModule:
+    if tr._prepared_module is None or tr._prepared_module.module is not module:
+        tr._prepared_module = tr.rig.prepare(module)
+    return tr._prepared_module
+
+
+def _prepare_loader(tr: Trainer, loader: Any, what: str) -> Any:
+    if isinstance(loader, RigDataLoader):
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise TypeError(
+            f"{what} must be a torch.utils.data.DataLoader (or a list of them); got {type(loader).__name__}"
+        )
+    cached = tr._prepared_cache.get(id(loader))
+    if cached is not None and cached[0] is loader:
+        return cached[1]
+    prepared = tr.rig.prepare(loader)
+    tr._prepared_cache[id(loader)] = (loader, prepared)
+    return prepared
+
+
+def _prepare_loaders(tr: Trainer, loaders: Any, what: str) -> list[Any]:
+    if loaders is None:
+        return []
+    items = list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+    return [_prepare_loader(tr, d, what) for d in items]
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def checkpoint_state(tr: Trainer) -> dict[str, Any]:
+    """The objects and values a checkpoint of this run holds (filled in place on resume)."""
+    state: dict[str, Any] = {"module": tr._prepared_module, "precision": tr.rig.precision}
+    for i, opt in enumerate(tr.optimizers):
+        state[f"optimizer_{i}"] = opt
+    for i, cfg in enumerate(tr.lr_scheduler_configs):
+        state[f"scheduler_{i}"] = cfg.scheduler
+    if tr._train_loader is not None:
+        state["train_loader"] = tr._train_loader
+    state["loop"] = tr.fit_state
+    state["train_metrics"] = tr._train_metrics
+    state["callbacks"] = {cb.state_key: cb.state_dict() for cb in tr.callbacks}
+    state["step"], state["epoch"] = tr.fit_state.global_step, tr.fit_state.epoch
+    return {k: v for k, v in state.items() if v is not None}
+
+
+def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | None:
+    if str(ckpt_path) != "last":
+        return Path(ckpt_path)
+    cb = tr.checkpoint_callback
+    folder = cb.resolve_dirpath(tr) if cb is not None else tr.default_root_dir / "checkpoints"
+    link = folder / "last"
+    if not link.exists():
+        warnings.warn(f"ckpt_path='last': there is no checkpoint at {link} yet; starting from scratch", stacklevel=4)
+        return None
+    return link
+
+
+def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
+    """Load everything back; the loop continues at the batch after the one saved."""
+    path = _resolve_path(tr, ckpt_path)
+    if path is None:
+        return
+    state = checkpoint_state(tr)
+    left = tr.rig.load(path, state)
+    saved = left.get("callbacks", {})
+    for cb in tr.callbacks:
+        if cb.state_key in saved:
+            cb.load_state_dict(saved[cb.state_key])
+    for cb in tr.callbacks:
+        cb.on_load_checkpoint(tr, tr._require_module(), left.get("callback_extras", {}))
+    tr._resumed = True

@@ -1,0 +1,427 @@
+"""``Trainer``: loops, hooks, logging and checkpoints over a :class:`~torchrig.Rig`."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from torchrig.rig import Rig
+from torchrig.trainer import loops
+from torchrig.trainer.callbacks import Callback
+from torchrig.trainer.checkpointing import ModelCheckpoint
+from torchrig.trainer.datamodule import DataModule
+from torchrig.trainer.logger_base import Logger
+from torchrig.trainer.metrics import MetricStore
+from torchrig.trainer.module import SchedulerConfig, TrainingModule
+from torchrig.wrappers import RigModule
+
+Limit = int | float
+
+
+class Trainer:
+    """Fits, validates, tests and predicts with a :class:`TrainingModule`, on any hardware.
+
+    Args:
+        accelerator: hardware, as for :class:`~torchrig.Rig` (``"auto"``, ``"cpu"``, ``"cuda"``, a registered name).
+        devices: devices (processes) per machine, as for :class:`~torchrig.Rig`.
+        strategy: process layout (``"auto"``, ``"ddp"``, ``"ddp_spawn"``, ``"fsdp"``...).
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``...
+        num_nodes: machines taking part.
+        max_epochs: stop after this many epochs (``-1``: no limit; default 1000 unless ``max_steps`` is set).
+        max_steps: stop after this many optimizer steps (``-1``: no limit).
+        max_time: stop after this long: seconds, a ``timedelta``, or ``"DD:HH:MM:SS"``.
+        accumulate_grad_batches: step the optimizer every this many batches (and at an epoch's end).
+        gradient_clip_val: clip gradients to this norm (or value); None: no clipping.
+        gradient_clip_algorithm: ``"norm"`` (total norm) or ``"value"`` (each element).
+        val_check_interval: validate every this many training batches (int) or fraction of an epoch (float).
+        check_val_every_n_epoch: validate only in every n-th epoch.
+        limit_train_batches: batches per training epoch: a count (int) or a fraction (float).
+        limit_val_batches: the same for each validation run.
+        limit_test_batches: the same for ``test``.
+        limit_predict_batches: the same for ``predict``.
+        num_sanity_val_steps: validation batches run before training to catch bugs early (-1: all).
+        callbacks: :class:`Callback` objects, called in order.
+        logger: a :class:`Logger`, a list of them, True (a ``CSVLogger`` under ``default_root_dir``) or False.
+        log_every_n_steps: send ``on_step`` values to the logger every this many optimizer steps.
+        default_root_dir: where logs and checkpoints go (default: the working directory).
+        enable_progress_bar: add the rich progress bar.
+        enable_checkpointing: add a :class:`ModelCheckpoint` (``save_last=True``) unless one is given.
+        deterministic: ``torch.use_deterministic_algorithms`` (True, False, or ``"warn"``); None leaves it.
+        seed: seed Python, NumPy and torch in every process before the run.
+
+    Example:
+        >>> # trainer = Trainer(accelerator="auto", devices=1, max_epochs=3)
+        >>> # trainer.fit(MyModule(), train_loader, val_loader)
+        >>> # trainer.test(dataloaders=test_loader)
+    """
+
+    def __init__(
+        self,
+        *,
+        accelerator: Any = None,
+        devices: Any = None,
+        strategy: Any = None,
+        precision: Any = None,
+        num_nodes: int | None = None,
+        max_epochs: int | None = None,
+        max_steps: int = -1,
+        max_time: float | str | datetime.timedelta | None = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        val_check_interval: int | float = 1.0,
+        check_val_every_n_epoch: int = 1,
+        limit_train_batches: Limit = 1.0,
+        limit_val_batches: Limit = 1.0,
+        limit_test_batches: Limit = 1.0,
+        limit_predict_batches: Limit = 1.0,
+        num_sanity_val_steps: int = 2,
+        callbacks: Callback | Iterable[Callback] | None = None,
+        logger: Logger | Iterable[Logger] | bool = True,
+        log_every_n_steps: int = 50,
+        default_root_dir: str | os.PathLike[str] | None = None,
+        enable_progress_bar: bool = True,
+        enable_checkpointing: bool = True,
+        deterministic: bool | str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.max_steps = _int_at_least("max_steps", max_steps, -1)
+        default_epochs = -1 if max_steps != -1 else 1000
+        self.max_epochs = default_epochs if max_epochs is None else _int_at_least("max_epochs", max_epochs, -1)
+        self.max_time = _parse_time(max_time)
+        self.accumulate_grad_batches = _int_at_least("accumulate_grad_batches", accumulate_grad_batches, 1)
+        if gradient_clip_val is not None and (not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0):
+            raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0, or None for no clipping")
+        self.gradient_clip_val = None if gradient_clip_val in (None, 0) else float(gradient_clip_val)
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; use 'norm' or 'value'")
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        self.val_check_interval = _limit("val_check_interval", val_check_interval, allow_zero=False)
+        self.check_val_every_n_epoch = _int_at_least("check_val_every_n_epoch", check_val_every_n_epoch, 1)
+        self.limit_train_batches = _limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = _limit("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = _limit("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = _limit("limit_predict_batches", limit_predict_batches)
+        self.num_sanity_val_steps = _int_at_least("num_sanity_val_steps", num_sanity_val_steps, -1)
+        self.log_every_n_steps = _int_at_least("log_every_n_steps", log_every_n_steps, 1)
+        if deterministic not in (None, True, False, "warn"):
+            raise ValueError(f"deterministic={deterministic!r}; use True, False, 'warn' or None")
+        self.deterministic = deterministic
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed={seed!r} must be an int or None")
+        self.seed = seed
+        self.default_root_dir = Path(default_root_dir if default_root_dir is not None else os.getcwd())
+        self.rig = Rig(
+            accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, num_nodes=num_nodes
+        )
+        self.callbacks = _callbacks(callbacks, enable_checkpointing, enable_progress_bar)
+        self.loggers = _loggers(logger, self.default_root_dir)
+        for lg in self.loggers:
+            attach = getattr(lg, "attach", None)
+            if callable(attach):
+                attach(self)
+        self.should_stop = False
+        self.interrupted = False
+        self.fit_state = loops.FitState()
+        self.module: TrainingModule | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_scheduler_configs: list[SchedulerConfig] = []
+        self._prepared_module: RigModule | None = None
+        self._prepared_cache: dict[int, tuple[Any, Any]] = {}
+        self._train_loader: Any = None
+        self._eval_loaders: dict[str, list[Any]] = {"validate": [], "test": [], "predict": []}
+        self._train_metrics = MetricStore(device=self.rig.device, rig=self.rig)
+        self._eval_metrics = MetricStore(device=self.rig.device, rig=self.rig)
+        self._active_metrics = self._train_metrics
+        self._logging_in_step = False
+        self._log_suffix = ""
+        self._epoch_metrics: dict[str, torch.Tensor] = {}
+        self._logged: dict[str, Any] = {}
+        self._stage: str | None = None
+        self._resumed = False
+        self._started_at = time.monotonic()
+
+    # -- what the run is at --------------------------------------------------------------------
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being trained (0-based); after a fit, the number of epochs run."""
+        return self.fit_state.epoch
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.fit_state.global_step
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.rig.is_global_zero
+
+    @property
+    def training(self) -> bool:
+        """True inside ``fit`` (outside its validation)."""
+        return self._stage == "fit" and self._active_metrics is self._train_metrics
+
+    @property
+    def logger(self) -> Logger | None:
+        """The first logger (None without one)."""
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> Path:
+        """The logger's run directory, else ``default_root_dir``."""
+        found = self.logger.log_dir if self.logger is not None else None
+        return Path(found) if found is not None else self.default_root_dir
+
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        """Every logged value (latest step values and epoch means), as device tensors."""
+        step = {**self._train_metrics.step_values(), **self._eval_metrics.step_values()}
+        plain = {k.removesuffix("_step"): v for k, v in step.items()}
+        return {**plain, **step, **self._epoch_metrics}
+
+    @property
+    def logged_metrics(self) -> dict[str, Any]:
+        """What was last sent to the loggers."""
+        return dict(self._logged)
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, torch.Tensor]:
+        """Values logged with ``prog_bar=True`` (device tensors; convert them when you draw)."""
+        out = {**self._train_metrics.step_values(for_prog_bar=True)}
+        names = {**self._train_metrics.options, **self._eval_metrics.options}
+        for key, value in self._epoch_metrics.items():
+            opts = names.get(key.removesuffix("_epoch")) or names.get(key)
+            if opts is not None and opts.prog_bar:
+                out[key] = value
+        return out
+
+    @property
+    def num_training_batches(self) -> int | float:
+        return loops.num_batches(self._train_loader, self.limit_train_batches) if self._train_loader else 0
+
+    @property
+    def num_val_batches(self) -> list[int | float]:
+        return [loops.num_batches(d, self.limit_val_batches) for d in self._eval_loaders["validate"]]
+
+    @property
+    def num_test_batches(self) -> list[int | float]:
+        return [loops.num_batches(d, self.limit_test_batches) for d in self._eval_loaders["test"]]
+
+    @property
+    def num_predict_batches(self) -> list[int | float]:
+        return [loops.num_batches(d, self.limit_predict_batches) for d in self._eval_loaders["predict"]]
+
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        return next((c for c in self.callbacks if isinstance(c, ModelCheckpoint)), None)
+
+    # -- entry points ----------------------------------------------------------------------------
+    def fit(
+        self,
+        module: TrainingModule,
+        train_dataloaders: DataLoader[Any] | None = None,
+        val_dataloaders: DataLoader[Any] | list[DataLoader[Any]] | None = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Train ``module``; ``ckpt_path`` (a checkpoint directory, or ``"last"``) resumes exactly."""
+        from torchrig.trainer.runner import run_fit_stage
+
+        self._launch(run_fit_stage, module, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+
+    def validate(
+        self,
+        module: TrainingModule | None = None,
+        dataloaders: DataLoader[Any] | list[DataLoader[Any]] | None = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+    ) -> list[dict[str, float]]:
+        """Run ``validation_step`` over the loaders; the logged metrics, one dict per loader."""
+        from torchrig.trainer.runner import run_eval_stage
+
+        return self._launch(run_eval_stage, "validate", module, dataloaders, datamodule, ckpt_path)  # type: ignore[no-any-return]
+
+    def test(
+        self,
+        module: TrainingModule | None = None,
+        dataloaders: DataLoader[Any] | list[DataLoader[Any]] | None = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+    ) -> list[dict[str, float]]:
+        """Run ``test_step`` over the loaders; the logged metrics, one dict per loader."""
+        from torchrig.trainer.runner import run_eval_stage
+
+        return self._launch(run_eval_stage, "test", module, dataloaders, datamodule, ckpt_path)  # type: ignore[no-any-return]
+
+    def predict(
+        self,
+        module: TrainingModule | None = None,
+        dataloaders: DataLoader[Any] | list[DataLoader[Any]] | None = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+    ) -> list[Any]:
+        """``predict_step`` outputs per batch, gathered from every process in dataset order."""
+        from torchrig.trainer.runner import run_eval_stage
+
+        return self._launch(run_eval_stage, "predict", module, dataloaders, datamodule, ckpt_path)  # type: ignore[no-any-return]
+
+    def save_checkpoint(self, path: str | os.PathLike[str], *, link: str | None = "last") -> Path:
+        """Save everything a resumed fit needs to the checkpoint directory ``path`` (all ranks call it)."""
+        from torchrig.trainer.runner import checkpoint_state
+
+        state = checkpoint_state(self)
+        extra: dict[str, Any] = {}
+        for cb in self.callbacks:
+            cb.on_save_checkpoint(self, self._require_module(), extra)
+        if extra:
+            state["callback_extras"] = extra
+        return self.rig.save(path, state, link=link)
+
+    # -- plumbing shared with runner/loops -------------------------------------------------------
+    def _launch(self, body: Callable[..., Any], *args: Any) -> Any:
+        spawned = bool(getattr(self.rig.strategy, "needs_launch", False))
+        out = self.rig.launch(_worker, self, body, spawned, *args)
+        if spawned and isinstance(out, dict):  # results came back from rank 0 of new processes
+            module = args[1] if body.__name__ == "run_eval_stage" else args[0]
+            if module is not None and out.get("weights") is not None:
+                module.load_state_dict(out["weights"])
+            self.fit_state.load_state_dict(out["fit_state"])
+            return out["result"]
+        return out
+
+    def _require_module(self) -> TrainingModule:
+        if self.module is None:
+            raise RuntimeError("no module attached; call fit/validate/test/predict with a module first")
+        return self.module
+
+    def _call_module(self, hook: str, *args: Any) -> Any:
+        return getattr(self._require_module(), hook)(*args)
+
+    def _call_callbacks(self, event: str, *args: Any) -> None:
+        module = self._require_module()
+        for cb in self.callbacks:
+            getattr(cb, event)(self, module, *args)
+
+    def _log_to_loggers(self, metrics: dict[str, Any]) -> None:
+        self._logged = metrics
+        for lg in self.loggers:
+            lg.log_metrics(metrics, step=self.fit_state.global_step)
+
+    def _has_validation(self) -> bool:
+        module = self._require_module()
+        overridden = type(module).validation_step is not TrainingModule.validation_step
+        return overridden and bool(self._eval_loaders["validate"]) and self.limit_val_batches != 0
+
+    def _eval_limit(self, stage: str) -> int | float:
+        return {"validate": self.limit_val_batches, "test": self.limit_test_batches}[stage]
+
+    def _val_check_batches(self, n: int | float) -> int:
+        interval = self.val_check_interval
+        if isinstance(interval, int):
+            if interval > n:
+                raise ValueError(
+                    f"val_check_interval={interval} batches, but an epoch has only {n} training batches; "
+                    "use a smaller int, or a float fraction of the epoch"
+                )
+            return interval
+        if math.isinf(n):
+            raise ValueError("val_check_interval as a fraction needs a dataloader with a length; give an int")
+        return max(1, int(n * interval))
+
+    def _time_is_up(self) -> bool:
+        if self.max_time is None:
+            return False
+        up = time.monotonic() - self._started_at >= self.max_time
+        return self.rig.reduce_boolean_decision(up, all=False) if self.rig.world_size > 1 else up
+
+
+def _worker(rig: Rig, trainer: Trainer, body: Callable[..., Any], spawned: bool, *args: Any) -> Any:
+    result = body(trainer, *args)
+    if not spawned:
+        return result
+    module = trainer.module
+    weights = {k: v.detach().cpu() for k, v in module.state_dict().items()} if module is not None else None
+    return {"result": result, "weights": weights, "fit_state": trainer.fit_state.state_dict()}
+
+
+# -- argument checks ---------------------------------------------------------------------------
+def _int_at_least(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    return value
+
+
+def _limit(name: str, value: Any, allow_zero: bool = True) -> int | float:
+    """An int count of batches, or a float fraction in [0, 1]."""
+    low = 0 if allow_zero else 1
+    if isinstance(value, int) and not isinstance(value, bool) and value >= low:
+        return value
+    if isinstance(value, float) and 0.0 <= value <= 1.0 and (allow_zero or value > 0):
+        return value
+    raise ValueError(
+        f"{name}={value!r}: give an int number of batches (>= {low}) or a float fraction of the epoch in "
+        f"{'[0.0' if allow_zero else '(0.0'}, 1.0]"
+    )
+
+
+def _parse_time(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    if isinstance(value, str):
+        parts = value.split(":")
+        if len(parts) == 4 and all(p.isdigit() for p in parts):
+            d, h, m, s = (int(p) for p in parts)
+            return float(((d * 24 + h) * 60 + m) * 60 + s)
+    raise ValueError(f"max_time={value!r}: give seconds (> 0), a datetime.timedelta, or 'DD:HH:MM:SS'")
+
+
+def _callbacks(given: Any, checkpointing: bool, progress_bar: bool) -> list[Callback]:
+    if given is None:
+        found: list[Callback] = []
+    elif isinstance(given, Callback):
+        found = [given]
+    else:
+        found = list(given)
+    bad = [type(c).__name__ for c in found if not isinstance(c, Callback)]
+    if bad:
+        raise TypeError(f"callbacks must be torchrig Callback objects; got {', '.join(bad)}")
+    has_ckpt = any(isinstance(c, ModelCheckpoint) for c in found)
+    if has_ckpt and not checkpointing:
+        raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is in callbacks; drop one of the two")
+    if checkpointing and not has_ckpt:
+        found.append(ModelCheckpoint(save_last=True))
+    if progress_bar:
+        from torchrig.trainer.progress import ProgressBar
+
+        if not any(isinstance(c, ProgressBar) for c in found):
+            found.insert(0, ProgressBar())
+    # Checkpoints go last so they see what every other callback did at the same event.
+    return [c for c in found if not isinstance(c, ModelCheckpoint)] + [
+        c for c in found if isinstance(c, ModelCheckpoint)
+    ]
+
+
+def _loggers(given: Any, root: Path) -> list[Logger]:
+    if given is True:
+        from torchrig.trainer.loggers import CSVLogger
+
+        return [CSVLogger(root_dir=root)]
+    if given is False or given is None:
+        return []
+    found = [given] if isinstance(given, Logger) else list(given)
+    bad = [type(x).__name__ for x in found if not isinstance(x, Logger)]
+    if bad:
+        raise TypeError(f"logger must be a torchrig Logger, a list of them, True or False; got {', '.join(bad)}")
+    return found

@@ -1,0 +1,136 @@
+"""The jsonargparse CLI: subcommands, YAML configs, --print_config, errors, a custom accelerator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import PYTHON, python_env
+from torchrig.trainer.cli import CLI
+from torchrig.trainer.loggers import read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_script import Line, Regressor  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "cli_script.py"
+
+
+def run_script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PYTHON, str(SCRIPT), *args], cwd=cwd, env=python_env(), capture_output=True, text=True, timeout=150
+    )
+
+
+def summary(proc: subprocess.CompletedProcess[str]) -> dict:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("SUMMARY "))
+    return json.loads(line.removeprefix("SUMMARY "))
+
+
+@pytest.mark.timeout(300)
+def test_fit_with_a_yaml_config_then_test_from_the_checkpoint(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "accelerator": "cpu",
+                    "devices": 1,
+                    "max_epochs": 3,
+                    "default_root_dir": str(tmp_path / "run"),
+                    "log_every_n_steps": 1,
+                    "seed": 0,
+                },
+                "model": {"hidden": 8, "lr": 0.05},
+                "data": {"batch_size": 16},
+            }
+        )
+    )
+    # The custom accelerator from examples/custom_accelerator.py, chosen by name on the command line.
+    fit = summary(run_script("fit", "--config", str(config), "--trainer.accelerator=xpu_sim", cwd=tmp_path))
+    assert fit["accelerator"] == "xpu_sim"
+    last = tmp_path / "run" / "checkpoints" / "last"
+    assert last.exists()
+    rows = read_metrics(tmp_path / "run" / "torchrig_logs" / "version_0")
+    assert [r["step"] for r in rows if "train_loss" in r] == list(range(1, 13))  # 4 batches x 3 epochs
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 3 and val[-1] < val[0]
+
+    test = summary(
+        run_script("test", "--config", str(config), "--trainer.logger=false", f"--ckpt_path={last}", cwd=tmp_path)
+    )
+    assert test["accelerator"] == "cpu"
+    # The test set is the validation set: the checkpoint's test loss is the last validation loss.
+    assert test["result"][0]["test_loss"] == pytest.approx(val[-1], rel=1e-5)
+    fresh = summary(run_script("test", "--config", str(config), "--trainer.logger=false", cwd=tmp_path))
+    assert fresh["result"][0]["test_loss"] > 2 * val[-1]  # an untrained model does worse
+
+
+@pytest.mark.timeout(60)
+def test_print_config_shows_file_values_and_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("trainer:\n  max_epochs: 7\nmodel:\n  lr: 0.05\n")
+    with pytest.raises(SystemExit) as exit_info:
+        CLI(Regressor, Line, args=["fit", "--config", str(config), "--model.hidden=4", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["max_epochs"] == 7
+    assert printed["trainer"]["accelerator"] is None and printed["trainer"]["enable_progress_bar"] is True
+    assert printed["model"] == {"hidden": 4, "lr": 0.05}
+    assert printed["data"] == {"n": 64, "batch_size": 16}
+    assert printed["ckpt_path"] is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fit", "--model.hiden=3"], "unrecognized arguments: --model.hiden=3"),
+        (["fit", "--model.hidden=wide"], "Parser key \"model.hidden\":\n  Expected a <class 'int'>. Got value: wide"),
+        (["train"], "invalid choice: 'train'"),
+        (
+            ["fit", "--trainer.accelerator=xpu_sim", "--trainer.devices=2"],
+            "ValueError: devices=2 asks for 2 xpu_sim devices, but this machine has 1",
+        ),
+    ],
+)
+def test_wrong_arguments_exit_2_with_a_clear_message(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        CLI(Regressor, Line, args=args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_run_false_builds_the_objects_without_running(tmp_path: Path) -> None:
+    cli = CLI(
+        Regressor,
+        Line,
+        run=False,
+        args=["--model.hidden=3", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
+    )
+    assert cli.subcommand is None and cli.result is None
+    assert isinstance(cli.model, Regressor) and cli.model.net[0].out_features == 3
+    assert isinstance(cli.datamodule, Line)
+    assert cli.trainer.loggers == [] and cli.trainer.rig.accelerator.name() == "cpu"
+
+
+@pytest.mark.timeout(60)
+def test_validate_and_predict_subcommands_run_in_process(tmp_path: Path) -> None:
+    common = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"]
+    validate = CLI(Regressor, Line, args=["validate", *common])
+    assert validate.subcommand == "validate" and list(validate.result[0]) == ["val_loss"]
+    predict = CLI(Regressor, Line, args=["predict", "--data.batch_size=20", *common])
+    assert [len(batch) for batch in predict.result] == [20, 20, 20, 4]
+
+
+def test_cli_wants_classes() -> None:
+    with pytest.raises(TypeError, match=r"CLI\(module_class=...\) takes a class, got an instance of Regressor; pass the class"):
+        CLI(Regressor(), Line, args=["fit"])

@@ -1,0 +1,181 @@
+"""CSVLogger and TensorBoardLogger: run directories, buffering without host syncs, files written."""
+
+from __future__ import annotations
+
+import csv
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+import yaml
+
+from torchrig.trainer.loggers import CSVLogger, MetricBuffer, TensorBoardLogger, next_version_dir, read_metrics
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def test_versions_count_up_and_concurrent_runs_get_distinct_directories(tmp_path: Path) -> None:
+    first = CSVLogger(root_dir=tmp_path, name="exp")
+    assert first.log_dir == tmp_path / "exp" / "version_0"
+    assert CSVLogger(root_dir=tmp_path, name="exp").log_dir == tmp_path / "exp" / "version_1"
+    (tmp_path / "exp" / "version_7").mkdir()
+    assert CSVLogger(root_dir=tmp_path, name="exp").version == 8
+
+    claimed: list[Path] = []
+    threads = [threading.Thread(target=lambda: claimed.append(next_version_dir(tmp_path / "race"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(p.name for p in claimed) == [f"version_{i}" for i in range(8)]
+
+
+def test_explicit_version_int_and_str(tmp_path: Path) -> None:
+    assert CSVLogger(root_dir=tmp_path, version=3).log_dir == tmp_path / "torchrig_logs" / "version_3"
+    assert CSVLogger(root_dir=tmp_path, version="run_a").log_dir == tmp_path / "torchrig_logs" / "run_a"
+
+
+def test_csv_buffers_until_flush_every_n_steps_and_widens_the_header(tmp_path: Path) -> None:
+    logger = CSVLogger(root_dir=tmp_path, flush_every_n_steps=3)
+    logger.log_metrics({"loss": torch.tensor(1.5), "epoch": 0}, step=0)
+    logger.log_metrics({"loss": torch.tensor(1.25), "epoch": 0}, step=1)
+    assert not logger.metrics_file.exists()  # still buffered
+    logger.log_metrics({"loss": torch.tensor(1.0), "epoch": 0}, step=2)  # third call: flush
+    assert logger.metrics_file.read_text().splitlines() == ["step,epoch,loss", "0,0,1.5", "1,0,1.25", "2,0,1.0"]
+    logger.log_metrics({"val_acc": torch.tensor(0.75), "epoch": 0}, step=2)
+    logger.log_metrics({"loss": 0.5, "epoch": 1}, step=3)
+    logger.finalize("success")
+    with logger.metrics_file.open() as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "epoch", "loss", "val_acc"]  # header rewritten with the new column
+    assert rows[1:] == [
+        ["0", "0", "1.5", ""],
+        ["1", "0", "1.25", ""],
+        ["2", "0", "1.0", ""],
+        ["2", "0", "", "0.75"],
+        ["3", "1", "0.5", ""],
+    ]
+    assert read_metrics(logger.log_dir) == [
+        {"step": 0, "epoch": 0, "loss": 1.5},
+        {"step": 1, "epoch": 0, "loss": 1.25},
+        {"step": 2, "epoch": 0, "loss": 1.0},
+        {"step": 2, "epoch": 0, "val_acc": 0.75},
+        {"step": 3, "epoch": 1, "loss": 0.5},
+    ]
+
+
+def test_no_host_sync_per_step_and_one_per_flush(tmp_path: Path) -> None:
+    """Logging converts nothing; a flush of 50 rows calls ``tolist`` once."""
+    logger = CSVLogger(root_dir=tmp_path, flush_every_n_steps=1000)
+    calls = {"tolist": 0, "item": 0}
+    real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
+
+    def count(name, real):
+        def wrapper(self, *a, **k):
+            calls[name] += 1
+            return real(self, *a, **k)
+
+        return wrapper
+
+    with (
+        mock.patch.object(torch.Tensor, "tolist", count("tolist", real_tolist)),
+        mock.patch.object(torch.Tensor, "item", count("item", real_item)),
+    ):
+        for step in range(50):
+            logger.log_metrics({"loss": torch.tensor(float(step)), "acc": torch.tensor(step / 100)}, step=step)
+        assert calls == {"tolist": 0, "item": 0}
+        logger.flush()
+        assert calls == {"tolist": 1, "item": 0}
+    rows = read_metrics(logger.log_dir)
+    assert len(rows) == 50 and rows[49] == {"step": 49, "loss": 49.0, "acc": 0.49}
+
+
+def test_logged_tensor_changed_in_place_later_keeps_its_logged_value(tmp_path: Path) -> None:
+    logger = CSVLogger(root_dir=tmp_path)
+    running = torch.tensor(1.0)
+    logger.log_metrics({"running": running}, step=0)
+    running.add_(10.0)
+    logger.finalize("success")
+    assert read_metrics(logger.log_dir) == [{"step": 0, "running": 1.0}]
+
+
+def test_int_metrics_stay_exact_and_bad_values_are_rejected() -> None:
+    buf = MetricBuffer()
+    buf.add({"samples": torch.tensor(2**40 + 1), "lr": 0.1}, step=5, epoch=None)
+    assert buf.drain() == [(5, None, {"samples": float(2**40 + 1), "lr": 0.1})]
+    with pytest.raises(ValueError, match=r"logged metric 'm' has shape \(3,\); loggers take scalars"):
+        buf.add({"m": torch.ones(3)}, step=0, epoch=None)
+    with pytest.raises(TypeError, match="logged metric 'name' is a str; log a number or a scalar tensor"):
+        buf.add({"name": "x"}, step=0, epoch=None)
+    with pytest.raises(ValueError, match="flush_every_n_steps=0 must be a positive int"):
+        CSVLogger(flush_every_n_steps=0)
+
+
+def test_only_rank_zero_writes(tmp_path: Path) -> None:
+    other = CSVLogger(root_dir=tmp_path, rank_zero=False)
+    other.log_metrics({"loss": 1.0}, step=0)
+    other.log_hyperparams({"lr": 0.1})
+    other.finalize("success")
+    attached = CSVLogger(root_dir=tmp_path)
+    attached.attach(SimpleNamespace(is_global_zero=False, current_epoch=0))  # type: ignore[arg-type]
+    attached.log_metrics({"loss": 1.0}, step=0)
+    attached.finalize("success")
+    assert not (tmp_path / "torchrig_logs").exists()
+
+
+def test_epoch_is_read_from_the_attached_trainer(tmp_path: Path) -> None:
+    logger = CSVLogger(root_dir=tmp_path)
+    trainer = SimpleNamespace(is_global_zero=True, current_epoch=4)
+    logger.attach(trainer)  # type: ignore[arg-type]
+    logger.log_metrics({"loss": torch.tensor(0.5)}, step=9)
+    logger.finalize("success")
+    assert read_metrics(logger.log_dir) == [{"step": 9, "epoch": 4, "loss": 0.5}]
+
+
+def test_resumed_run_appends_to_its_metrics_file(tmp_path: Path) -> None:
+    first = CSVLogger(root_dir=tmp_path, version=0)
+    first.log_metrics({"loss": 2.0}, step=0)
+    first.finalize("success")
+    again = CSVLogger(root_dir=tmp_path, version=0)
+    again.log_metrics({"loss": 1.0}, step=1)
+    again.log_metrics({"acc": 0.5}, step=1)
+    again.finalize("success")
+    assert read_metrics(again.log_dir) == [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 1.0}, {"step": 1, "acc": 0.5}]
+
+
+def test_hparams_yaml(tmp_path: Path) -> None:
+    logger = CSVLogger(root_dir=tmp_path)
+    logger.log_hyperparams({"lr": 0.1, "layers": [64, 64], "path": tmp_path, "opt": {"name": "sgd"}})
+    saved = yaml.safe_load((logger.log_dir / "hparams.yaml").read_text())
+    assert saved == {"lr": 0.1, "layers": [64, 64], "path": str(tmp_path), "opt": {"name": "sgd"}}
+
+
+def test_read_metrics_explains_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no metrics.csv in .*; pass a run directory a CSVLogger wrote"):
+        read_metrics(tmp_path)
+
+
+def test_tensorboard_writes_event_files_readable_by_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(root_dir=tmp_path, flush_every_n_steps=2)
+    logger.log_hyperparams({"lr": 0.1, "opt": {"name": "sgd"}})
+    for step in range(3):
+        logger.log_metrics({"loss": torch.tensor(1.0 / (step + 1)), "epoch": 0}, step=step)
+    logger.finalize("success")
+    assert (logger.log_dir / "hparams.yaml").exists()
+    events = EventAccumulator(str(logger.log_dir))
+    events.Reload()
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == [0, 1, 2]
+    assert [round(e.value, 4) for e in loss] == [1.0, 0.5, 0.3333]
+    assert [e.value for e in events.Scalars("epoch")] == [0.0, 0.0, 0.0]
+
+
+def test_tensorboard_missing_says_how_to_install(tmp_path: Path) -> None:
+    with mock.patch.dict("sys.modules", {"torch.utils.tensorboard": None}):
+        with pytest.raises(ImportError, match=r"pip install torchrig\[tensorboard\]"):
+            TensorBoardLogger(root_dir=tmp_path)

@@ -1,0 +1,132 @@
+"""ProgressBar: a rich live bar in a terminal, plain lines elsewhere, and no per-step host sync."""
+
+from __future__ import annotations
+
+import io
+import re
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from rich.console import Console
+
+from torchrig.trainer.progress import ProgressBar, to_floats
+
+pytestmark = pytest.mark.timeout(20)
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def fake_trainer(**kw: Any) -> SimpleNamespace:
+    base = dict(
+        is_global_zero=True,
+        current_epoch=0,
+        max_epochs=2,
+        num_training_batches=4,
+        num_val_batches=[3],
+        num_test_batches=[3],
+        num_sanity_val_steps=2,
+        progress_bar_metrics={"acc": torch.tensor(0.5)},
+        logged_metrics={},
+    )
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def run_fit(bar: ProgressBar, trainer: SimpleNamespace, epochs: int = 2) -> None:
+    bar.on_fit_start(trainer, None)  # type: ignore[arg-type]
+    bar.on_eval_start(trainer, None, "sanity_check")  # type: ignore[arg-type]
+    bar.on_eval_end(trainer, None, "sanity_check")  # type: ignore[arg-type]
+    for epoch in range(epochs):
+        trainer.current_epoch = epoch
+        bar.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+        for i in range(4):
+            bar.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0 / (i + 1))}, None, i)  # type: ignore[arg-type]
+        evaluate(bar, trainer, "validate", {"val_loss": torch.tensor(0.125 * (epoch + 1)), "epoch": epoch})
+        bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+    bar.on_fit_end(trainer, None)  # type: ignore[arg-type]
+
+
+def evaluate(bar: ProgressBar, trainer: SimpleNamespace, stage: str, logged: dict[str, Any]) -> None:
+    bar.on_eval_start(trainer, None, stage)  # type: ignore[arg-type]
+    for i in range(3):
+        bar.on_eval_batch_end(trainer, None, stage, None, None, i)  # type: ignore[arg-type]
+    trainer.logged_metrics = logged
+    bar.on_eval_end(trainer, None, stage)  # type: ignore[arg-type]
+
+
+def test_plain_lines_when_not_a_terminal() -> None:
+    out = io.StringIO()
+    bar = ProgressBar(console=Console(file=out, width=200))
+    assert not bar.is_live
+    trainer = fake_trainer()
+    run_fit(bar, trainer)
+    evaluate(bar, trainer, "test", {"test_acc": torch.tensor(0.875)})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 5, lines  # no sanity line; one line per validation, epoch and test
+    assert re.fullmatch(r"Validation: 3 batches in \d+\.\d\ds, val_loss=0\.125", lines[0])
+    assert re.fullmatch(r"Epoch 1/2: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.25 acc=0\.5", lines[1])
+    assert lines[2].startswith("Validation: 3 batches") and lines[2].endswith("val_loss=0.25")
+    assert lines[3].startswith("Epoch 2/2: 4 steps")
+    assert re.fullmatch(r"Test: 3 batches in \d+\.\d\ds, test_acc=0\.875", lines[4])
+    assert "\x1b[" not in out.getvalue()
+
+
+def test_live_bar_in_a_terminal_shows_progress_speed_and_metrics() -> None:
+    out = io.StringIO()
+    bar = ProgressBar(refresh_interval=0.0, console=Console(file=out, force_terminal=True, width=160))
+    assert bar.is_live
+    trainer = fake_trainer()
+    run_fit(bar, trainer, epochs=1)
+    evaluate(bar, trainer, "test", {"test_acc": torch.tensor(0.875)})
+    text = ANSI.sub("", out.getvalue())
+    assert "Epoch 1/2" in text and "4/4" in text
+    assert re.search(r"\d+\.\d it/s", text)
+    assert "loss=0.25 acc=0.5" in text
+    assert "Validation" in text and "3/3" in text
+    assert "Sanity check" in text
+    assert re.search(r"Test: 3 batches in \d+\.\d\ds, test_acc=0\.875", text)
+    assert "\x1b[" in out.getvalue()  # it really drew with terminal control codes
+
+
+def test_steps_between_refreshes_convert_nothing() -> None:
+    bar = ProgressBar(refresh_interval=3600, console=Console(file=io.StringIO(), force_terminal=True))
+    trainer = fake_trainer(num_training_batches=200)
+    calls = {"n": 0}
+    real = torch.Tensor.tolist
+
+    def counting(self: torch.Tensor) -> Any:
+        calls["n"] += 1
+        return real(self)
+
+    bar.on_fit_start(trainer, None)  # type: ignore[arg-type]
+    bar.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+    with mock.patch.object(torch.Tensor, "tolist", counting), mock.patch.object(torch.Tensor, "item") as item:
+        for i in range(200):
+            bar.on_train_batch_end(trainer, None, torch.tensor(float(i)), None, i)  # type: ignore[arg-type]
+        assert calls["n"] == 0 and item.call_count == 0
+        bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+        assert calls["n"] == 1  # the epoch's final redraw: one transfer for loss and metrics
+    bar.on_fit_end(trainer, None)  # type: ignore[arg-type]
+
+
+def test_only_rank_zero_draws() -> None:
+    out = io.StringIO()
+    bar = ProgressBar(console=Console(file=out, width=200))
+    trainer = fake_trainer(is_global_zero=False)
+    run_fit(bar, trainer)
+    evaluate(bar, trainer, "test", {"test_acc": torch.tensor(0.5)})
+    assert out.getvalue() == ""
+
+
+def test_to_floats_keeps_order_and_skips_non_scalars() -> None:
+    values = {"b": torch.tensor(2.0), "skip": torch.ones(2), "a": 1, "c": torch.tensor(3, dtype=torch.int64)}
+    assert to_floats(values) == {"b": 2.0, "a": 1.0, "c": 3.0}
+    assert list(to_floats(values)) == ["b", "a", "c"]
+
+
+def test_bad_refresh_interval() -> None:
+    with pytest.raises(ValueError, match=r"refresh_interval=-1 must be a number of seconds >= 0"):
+        ProgressBar(refresh_interval=-1)

@@ -1,0 +1,162 @@
+"""Built-in callbacks (early stopping, checkpoints, monitors) and what happens when a run raises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from trainer_helpers import Regressor, loader, quiet_trainer
+
+import torchrig
+from torchrig.trainer.logger_base import Logger
+
+
+class ListLogger(Logger):
+    """Keeps what it is given; records how it was finalized."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, Any]]] = []
+        self.status: str | None = None
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        self.rows.append((-1, dict(params)))
+
+    def finalize(self, status: str) -> None:
+        self.status = status
+
+
+class ScriptedVal(Regressor):
+    """Logs ``val_metric`` values from a script, one per validation run."""
+
+    def __init__(self, values: list[float]) -> None:
+        super().__init__()
+        self.values = values
+        self.runs = 0
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_metric", self.values[min(self.runs, len(self.values) - 1)])
+
+    def on_validation_epoch_end(self) -> None:
+        self.runs += 1
+
+
+@pytest.mark.timeout(20)
+def test_early_stopping_stops_after_patience(tmp_path: Path) -> None:
+    stopper = torchrig.EarlyStopping(monitor="val_metric", patience=2)
+    trainer = quiet_trainer(tmp_path, max_epochs=20, callbacks=[stopper])
+    trainer.fit(ScriptedVal([3.0, 2.0, 2.5, 2.1, 1.0]), loader(8), loader(4))
+    assert trainer.should_stop
+    assert stopper.stopped_epoch == 3 and trainer.current_epoch == 4  # epochs 0..3 ran
+    assert stopper.best_score == 2.0 and "did not improve for 2 checks" in stopper.stop_reason
+
+
+@pytest.mark.timeout(20)
+def test_early_stopping_on_non_finite_and_missing_metric(tmp_path: Path) -> None:
+    stopper = torchrig.EarlyStopping(monitor="val_metric", patience=5)
+    trainer = quiet_trainer(tmp_path, max_epochs=20, callbacks=[stopper])
+    trainer.fit(ScriptedVal([1.0, float("nan")]), loader(8), loader(4))
+    assert stopper.stopped_epoch == 1 and "is not finite" in stopper.stop_reason
+    missing = quiet_trainer(tmp_path, max_epochs=2, callbacks=[torchrig.EarlyStopping(monitor="nope")])
+    with pytest.raises(ValueError, match=r"EarlyStopping\(monitor='nope'\) found no such logged metric; logged: "):
+        missing.fit(ScriptedVal([1.0]), loader(8), loader(4))
+
+
+@pytest.mark.timeout(30)
+def test_model_checkpoint_keeps_the_top_k_and_the_last(tmp_path: Path) -> None:
+    ckpt = torchrig.ModelCheckpoint(
+        monitor="val_metric", mode="min", save_top_k=2, save_last=True, filename="{epoch}-{val_metric:.1f}"
+    )
+    trainer = quiet_trainer(tmp_path, max_epochs=5, enable_checkpointing=True, callbacks=[ckpt])
+    trainer.fit(ScriptedVal([5.0, 1.0, 3.0, 2.0, 4.0]), loader(8), loader(4))
+    folder = tmp_path / "checkpoints"
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    # best two: epochs 1 (1.0) and 3 (2.0); the newest (epoch 4) is kept for `last`.
+    assert names == ["epoch=1-val_metric=1.0", "epoch=3-val_metric=2.0", "epoch=4-val_metric=4.0", "last"]
+    assert (folder / "last").resolve().name == "epoch=4-val_metric=4.0"
+    assert Path(ckpt.best_model_path).name == "epoch=1-val_metric=1.0" and ckpt.best_model_score == 1.0
+
+
+@pytest.mark.timeout(20)
+def test_model_checkpoint_every_n_train_steps_keeps_the_newest(tmp_path: Path) -> None:
+    ckpt = torchrig.ModelCheckpoint(every_n_train_steps=3)
+    trainer = quiet_trainer(tmp_path, max_steps=7, enable_checkpointing=True, callbacks=[ckpt])
+    trainer.fit(Regressor(), loader(40))
+    names = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert names == ["epoch=0-step=6"]  # save_top_k=1 without monitor keeps the newest only
+
+
+@pytest.mark.timeout(20)
+def test_model_checkpoint_argument_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"save_top_k=3\) ranks checkpoints by a metric; pass monitor="):
+        torchrig.ModelCheckpoint(save_top_k=3)
+    with pytest.raises(ValueError, match="takes every_n_train_steps or every_n_epochs, not both"):
+        torchrig.ModelCheckpoint(every_n_train_steps=1, every_n_epochs=1)
+    with pytest.raises(ValueError, match=r"ModelCheckpoint\(mode='best'\); use 'min' or 'max'"):
+        torchrig.ModelCheckpoint(mode="best")
+    with pytest.raises(ValueError, match="enable_checkpointing=False, but a ModelCheckpoint is in callbacks"):
+        quiet_trainer(tmp_path, callbacks=[torchrig.ModelCheckpoint()])
+    trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[torchrig.ModelCheckpoint(monitor="val_acc")])
+    trainer_ok = trainer  # enable_checkpointing is False in quiet_trainer: the line above must raise first
+    assert trainer_ok is None
+
+
+@pytest.mark.timeout(20)
+def test_monitors_log_learning_rate_and_device_stats(tmp_path: Path) -> None:
+    logger = ListLogger()
+    lr, stats = torchrig.LearningRateMonitor(), torchrig.DeviceStatsMonitor()
+    trainer = quiet_trainer(tmp_path, max_steps=4, log_every_n_steps=2, logger=logger, callbacks=[lr, stats])
+    trainer.fit(Regressor(lr=0.05), loader(40))
+    lr_rows = [(step, row) for step, row in logger.rows if "lr-SGD" in row]
+    assert lr_rows == [(2, {"lr-SGD": 0.05}), (4, {"lr-SGD": 0.05})]
+    stat_rows = [row for _, row in logger.rows if any(k.startswith("device_stats/") for k in row)]
+    assert len(stat_rows) == 2 and all(isinstance(v, float) for v in stat_rows[0].values())
+    assert logger.status == "success"
+
+
+class Boom(Regressor):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 2:
+            raise self.error
+        return super().training_step(batch, batch_idx)
+
+
+class Seen(torchrig.Callback):
+    def __init__(self) -> None:
+        self.exceptions: list[BaseException] = []
+
+    def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+        self.exceptions.append(exception)
+
+
+@pytest.mark.timeout(20)
+def test_an_error_reaches_callbacks_and_loggers_then_is_raised(tmp_path: Path) -> None:
+    logger, seen = ListLogger(), Seen()
+    trainer = quiet_trainer(tmp_path, max_epochs=1, logger=logger, callbacks=[seen])
+    with pytest.raises(RuntimeError, match="exploded"):
+        trainer.fit(Boom(RuntimeError("exploded")), loader(40))
+    assert [str(e) for e in seen.exceptions] == ["exploded"]
+    assert logger.status == "failed"
+
+
+@pytest.mark.timeout(20)
+def test_keyboard_interrupt_ends_the_run_gracefully(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logger, seen = ListLogger(), Seen()
+    ckpt = torchrig.ModelCheckpoint(every_n_train_steps=1, save_last=True)
+    trainer = quiet_trainer(tmp_path, max_epochs=1, logger=logger, callbacks=[seen, ckpt], enable_checkpointing=True)
+    trainer.fit(Boom(KeyboardInterrupt()), loader(40))  # no exception escapes
+    assert trainer.interrupted and trainer.global_step == 2
+    assert isinstance(seen.exceptions[0], KeyboardInterrupt) and logger.status == "interrupted"
+    assert "KeyboardInterrupt: stopped the run" in capsys.readouterr().out
+    # The checkpoint written before the interrupt is whole and loads.
+    module = Regressor()
+    got = quiet_trainer(tmp_path).validate(module, loader(8), ckpt_path=tmp_path / "checkpoints" / "last")
+    assert got[0]["val_loss"] > 0

@@ -1,0 +1,184 @@
+"""The order of module hooks and callback events, asserted for a tiny fit, validate and predict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from trainer_helpers import Regressor, loader, quiet_trainer
+
+import torchrig
+from torchrig.trainer.callbacks import Callback
+
+
+class Recorder(Callback):
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        self.log.append("cb.on_fit_start")
+
+    def on_fit_end(self, trainer: Any, module: Any) -> None:
+        self.log.append("cb.on_fit_end")
+
+    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        self.log.append("cb.on_train_epoch_start")
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log.append(f"cb.on_train_batch_end({batch_idx})")
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        self.log.append("cb.on_train_epoch_end")
+
+    def on_eval_start(self, trainer: Any, module: Any, stage: str) -> None:
+        self.log.append(f"cb.on_eval_start({stage})")
+
+    def on_eval_batch_end(self, trainer: Any, module: Any, stage: str, outputs: Any, batch: Any, i: int) -> None:
+        self.log.append(f"cb.on_eval_batch_end({stage},{i})")
+
+    def on_eval_end(self, trainer: Any, module: Any, stage: str) -> None:
+        self.log.append(f"cb.on_eval_end({stage})")
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        self.log.append("cb.on_validation_end")
+
+
+class Recorded(Regressor):
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.calls = log
+
+    def setup(self, stage: str) -> None:
+        self.calls.append(f"setup({stage})")
+
+    def teardown(self, stage: str) -> None:
+        self.calls.append(f"teardown({stage})")
+
+    def configure_optimizers(self) -> Any:
+        self.calls.append("configure_optimizers")
+        return super().configure_optimizers()
+
+    def on_train_start(self) -> None:
+        self.calls.append("on_train_start")
+
+    def on_train_end(self) -> None:
+        self.calls.append("on_train_end")
+
+    def on_train_epoch_start(self) -> None:
+        self.calls.append("on_train_epoch_start")
+
+    def on_train_epoch_end(self) -> None:
+        self.calls.append("on_train_epoch_end")
+
+    def on_validation_epoch_end(self) -> None:
+        self.calls.append("on_validation_epoch_end")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls.append(f"training_step({batch_idx})")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.calls.append(f"validation_step({batch_idx})")
+        super().validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls.append(f"predict_step({batch_idx})")
+        return super().predict_step(batch, batch_idx)
+
+
+def _epoch(n: int) -> list[str]:
+    return [
+        "on_train_epoch_start",
+        "cb.on_train_epoch_start",
+        "training_step(0)",
+        "cb.on_train_batch_end(0)",
+        "training_step(1)",
+        "cb.on_train_batch_end(1)",
+        "cb.on_eval_start(validate)",
+        "validation_step(0)",
+        "cb.on_eval_batch_end(validate,0)",
+        "on_validation_epoch_end",
+        "cb.on_eval_end(validate)",
+        "cb.on_validation_end",
+        "on_train_epoch_end",
+        "cb.on_train_epoch_end",
+    ]
+
+
+@pytest.mark.timeout(20)
+def test_fit_calls_hooks_in_the_documented_order(tmp_path: Any) -> None:
+    log: list[str] = []
+    trainer = quiet_trainer(tmp_path, max_epochs=2, num_sanity_val_steps=1, callbacks=[Recorder(log)])
+    trainer.fit(Recorded(log), loader(8, batch_size=4), loader(4, batch_size=4))
+    expected = [
+        "setup(fit)",
+        "configure_optimizers",
+        "cb.on_fit_start",
+        "cb.on_eval_start(sanity_check)",
+        "validation_step(0)",
+        "cb.on_eval_batch_end(sanity_check,0)",
+        "on_validation_epoch_end",
+        "cb.on_eval_end(sanity_check)",
+        "on_train_start",
+        *_epoch(0),
+        *_epoch(1),
+        "on_train_end",
+        "cb.on_fit_end",
+        "teardown(fit)",
+    ]
+    assert log == expected
+    assert trainer.current_epoch == 2 and trainer.global_step == 4
+
+
+@pytest.mark.timeout(20)
+def test_validate_and_predict_call_their_hooks(tmp_path: Any) -> None:
+    log: list[str] = []
+    trainer = quiet_trainer(tmp_path, callbacks=[Recorder(log)])
+    module = Recorded(log)
+    trainer.validate(module, loader(8, batch_size=4))
+    trainer.predict(module, loader(4, batch_size=4))
+    assert log == [
+        "setup(validate)",
+        "cb.on_eval_start(validate)",
+        "validation_step(0)",
+        "cb.on_eval_batch_end(validate,0)",
+        "validation_step(1)",
+        "cb.on_eval_batch_end(validate,1)",
+        "on_validation_epoch_end",
+        "cb.on_eval_end(validate)",
+        "teardown(validate)",
+        "setup(predict)",
+        "cb.on_eval_start(predict)",
+        "predict_step(0)",
+        "cb.on_eval_batch_end(predict,0)",
+        "cb.on_eval_end(predict)",
+        "teardown(predict)",
+    ]
+
+
+@pytest.mark.timeout(20)
+def test_steps_run_through_the_prepared_module_under_autocast(tmp_path: Any) -> None:
+    dtypes: list[torch.dtype] = []
+
+    class Probe(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            out = self(batch[0])
+            dtypes.append(out.dtype)
+            return torch.nn.functional.mse_loss(out.float(), batch[1])
+
+    trainer = quiet_trainer(tmp_path, max_steps=1, precision="bf16-mixed")
+    trainer.fit(Probe(), loader(8))
+    assert dtypes == [torch.bfloat16]  # autocast of the Rig's precision wraps training_step
+
+
+@pytest.mark.timeout(20)
+def test_module_knows_its_trainer_and_device(tmp_path: Any) -> None:
+    module = Regressor()
+    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+        _ = module.trainer
+    trainer = quiet_trainer(tmp_path, max_steps=1)
+    trainer.fit(module, loader(8))
+    assert module.trainer is trainer
+    assert module.device == torch.device("cpu")
+    assert isinstance(trainer.rig, torchrig.Rig)

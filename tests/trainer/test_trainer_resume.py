@@ -1,0 +1,119 @@
+"""``fit(ckpt_path="last")`` after a SIGKILL ends bitwise equal to the run that was never killed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from trainer_helpers import Regressor, loader, quiet_trainer, subprocess_env
+
+import torchrig
+
+SCRIPT = r"""
+import os, signal, sys
+import torch
+import torchrig
+from trainer_helpers import Regressor, loader
+
+root, kill_at, accumulate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+
+class Kill(torchrig.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind: a crash
+
+
+torch.manual_seed(0)
+module = Regressor(dropout=0.25)  # dropout: the RNG stream must continue exactly too
+trainer = torchrig.Trainer(
+    accelerator="cpu", devices=1, max_epochs=2, seed=123, deterministic=True, accumulate_grad_batches=accumulate,
+    enable_progress_bar=False, logger=False, default_root_dir=root, num_sanity_val_steps=1,
+    callbacks=[Kill(), torchrig.ModelCheckpoint(every_n_train_steps=2, save_last=True, save_top_k=1)],
+)
+trainer.fit(module, loader(24, batch_size=4, shuffle=True), loader(8), ckpt_path="last")
+torch.save({k: v for k, v in module.state_dict().items()}, os.path.join(root, "final.pt"))
+print("steps", trainer.global_step, "epoch", trainer.current_epoch)
+"""
+
+
+def _run(tmp: Path, root: str, kill_at: int, accumulate: int) -> subprocess.CompletedProcess[str]:
+    script = tmp / "train.py"
+    script.write_text(SCRIPT)
+    return subprocess.run(
+        [sys.executable, str(script), str(tmp / root), str(kill_at), str(accumulate)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    # 6 batches an epoch, a step every 2 batches, a checkpoint every 2 steps: killed at step 5,
+    # the newest checkpoint is step 4, two batches into the second epoch.
+    kill_at, accumulate = 5, 2
+    clean = _run(tmp_path, "clean", -1, accumulate)
+    assert clean.returncode == 0, clean.stderr
+    killed = _run(tmp_path, "killed", kill_at, accumulate)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "killed" / "final.pt").exists()
+    # The newest checkpoint is from before the kill, in the middle of an epoch.
+    last = (tmp_path / "killed" / "checkpoints" / "last").resolve()
+    assert last.name == "epoch=1-step=4"
+    resumed = _run(tmp_path, "killed", -1, accumulate)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.split() == clean.stdout.split()
+    a = torch.load(tmp_path / "clean" / "final.pt")
+    b = torch.load(tmp_path / "killed" / "final.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
+
+
+@pytest.mark.timeout(20)
+def test_last_without_a_checkpoint_starts_fresh_with_a_warning(tmp_path: Path) -> None:
+    trainer = quiet_trainer(tmp_path, max_steps=2, enable_checkpointing=True)
+    with pytest.warns(UserWarning, match="ckpt_path='last': there is no checkpoint at"):
+        trainer.fit(Regressor(), loader(8), ckpt_path="last")
+    assert trainer.global_step == 2
+    assert (tmp_path / "checkpoints" / "last").is_symlink()
+
+
+@pytest.mark.timeout(20)
+def test_resume_at_an_epoch_end_continues_with_the_next_epoch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = Regressor()
+    first = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, limit_train_batches=3)
+    first.fit(module, loader(32))
+    assert (first.current_epoch, first.global_step) == (1, 3)
+    second = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True, limit_train_batches=3)
+    seen: list[tuple[int, int]] = []
+
+    class Watch(torchrig.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seen.append((trainer.current_epoch, batch_idx))
+
+    second.callbacks.insert(0, Watch())
+    second.fit(Regressor(), loader(32), ckpt_path="last")
+    assert seen == [(1, 0), (1, 1), (1, 2)]
+    assert (second.current_epoch, second.global_step) == (2, 6)
+
+
+@pytest.mark.timeout(20)
+def test_validate_from_a_checkpoint_loads_the_weights(tmp_path: Path) -> None:
+    module = Regressor()
+    trainer = quiet_trainer(tmp_path, max_steps=3, enable_checkpointing=True)
+    trainer.fit(module, loader(16))
+    expected = trainer.validate(module, loader(8))
+    fresh = Regressor()
+    got = quiet_trainer(tmp_path).validate(fresh, loader(8), ckpt_path=tmp_path / "checkpoints" / "last")
+    assert got == expected
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), module.parameters(), strict=True))
+    assert isinstance(torchrig.Trainer, type)

@@ -1,0 +1,89 @@
+"""Small models and data for the Trainer tests (imported by test files in this folder)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchrig
+
+
+def regression_data(n: int = 32, features: int = 4, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    y = x @ torch.arange(1.0, features + 1).unsqueeze(1) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def loader(n: int = 32, batch_size: int = 4, shuffle: bool = False, seed: int = 0) -> DataLoader[Any]:
+    return DataLoader(regression_data(n, seed=seed), batch_size=batch_size, shuffle=shuffle)
+
+
+class Regressor(torchrig.TrainingModule):
+    """A linear model that logs its losses; ``lr`` and ``dropout`` are configurable."""
+
+    def __init__(self, lr: float = 0.05, dropout: float = 0.0, features: int = 4) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(features, 8), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(8, 1)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), batch_size=len(x))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self(x), y), batch_size=len(x))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def quiet_trainer(tmp_path: Any, **kwargs: Any) -> torchrig.Trainer:
+    """A CPU Trainer without progress bar, logger or checkpointing unless asked for."""
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "enable_progress_bar": False,
+        "logger": False,
+        "enable_checkpointing": False,
+        "default_root_dir": tmp_path,
+        "num_sanity_val_steps": 0,
+    }
+    defaults.update(kwargs)
+    return torchrig.Trainer(**defaults)
+
+
+def params(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    """A child's environment: torchrig and these helpers importable, one thread, unbuffered output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(HERE), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
