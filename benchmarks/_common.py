@@ -31,6 +31,11 @@ class Result:
     def median(self) -> float:
         return statistics.median(self.seconds)
 
+    def ratio_to(self, base: Result) -> float:
+        """Median of the per-repeat ratios: each repeat is compared with the baseline's run right
+        next to it in time, which cancels the slow and fast phases of a shared machine."""
+        return statistics.median(a / b for a, b in zip(self.seconds, base.seconds, strict=True))
+
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
@@ -62,22 +67,21 @@ def environment_line(device: str) -> str:
 def table(
     title: str, rows: Sequence[tuple[str, Sequence[Result], int]], *, unit: str, scale: float, markdown: bool
 ) -> str | None:
-    """Print one table: a row per workload, for each contender its median time and its ratio to the first.
+    """Print one table: per workload, each contender's median time and its ratio to the first.
 
     ``rows`` holds ``(workload, results, per)``: times are shown as ``median * scale / per``.
-
     Returns the markdown text when ``markdown`` is set (also printed), else prints with rich.
     """
-    names = [r.name for r in rows[0][1]]
-    header = ["workload", *[f"{n} ({unit})" for n in names], *[f"{n} / {names[0]}" for n in names[1:]]]
+    base_name = rows[0][1][0].name
+    header = ["workload", "contender", unit, f"vs {base_name}"]
     body = []
     for workload, results, per in rows:
-        base = results[0].median
-        times = [r.missing or f"{r.median * scale / per:.2f}" for r in results]
-        ratios = [r.missing or f"{r.median / base:.3f}x" for r in results[1:]]
-        body.append([workload, *times, *ratios])
+        for r in results:
+            time = r.missing or f"{r.median * scale / per:,.1f}"
+            ratio = r.missing or f"{r.ratio_to(results[0]):.3f}x"
+            body.append([workload, r.name, time, ratio])
     if markdown:
-        lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|---|---|--:|--:|"]
         lines += ["| " + " | ".join(row) + " |" for row in body]
         text = "\n".join(lines)
         print(text)
@@ -87,8 +91,12 @@ def table(
 
     t = Table(title=title)
     for i, h in enumerate(header):
-        t.add_column(h, justify="left" if i == 0 else "right")
+        t.add_column(h, justify="left" if i < 2 else "right")
+    last = None
     for row in body:
-        t.add_row(*row)
+        if last is not None and row[0] != last:
+            t.add_section()
+        t.add_row(*([row[0] if row[0] != last else "", *row[1:]]))
+        last = row[0]
     Console().print(t)
     return None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 
-from torchrig.collections import move_to_device
+from torchrig.collections import _move
 
 
 class ResumableSampler(Sampler[int]):
@@ -169,6 +169,7 @@ class RigDataLoader:
         else:
             self.batches_seen = 0
         device = self.device
+        non_blocking = device.type not in ("cpu", "mps")  # as move_to_device decides, once per epoch
         if resuming_mid_epoch:
             # DataLoader draws a base seed from torch's RNG when an epoch starts; the run being
             # resumed already made that draw (the restored RNG state is after it), so don't repeat it.
@@ -182,7 +183,7 @@ class RigDataLoader:
                 self.batches_seen += 1
             for batch in it:
                 self.batches_seen += 1
-                yield move_to_device(batch, device)
+                yield _move(batch, device, non_blocking)
         finally:
             if isinstance(sampler, ResumableSampler):
                 sampler.skip = 0

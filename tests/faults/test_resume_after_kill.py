@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-import torch._inductor  # noqa: F401  (use_deterministic_algorithms imports it: pay once, before forking)
+import torch._inductor  # (use_deterministic_algorithms imports it: pay once, before forking)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

@@ -24,10 +24,10 @@ from torchrig.checkpoint import core, files
 
 
 def pause_saves(seconds: float, emit: Callable[[str], None]) -> None:
-    write, commit = files._write_fsync, core.commit
+    durable, commit = files.durable, core.commit
 
-    def slow_write(path: Path, data: bytes | memoryview) -> None:
-        write(path, data)
+    def slow_durable(path: Path) -> None:  # called once each file is written, to fsync it
+        durable(path)
         emit(f"in-save write {path.name}")
         time.sleep(seconds)
 
@@ -36,7 +36,7 @@ def pause_saves(seconds: float, emit: Callable[[str], None]) -> None:
         time.sleep(seconds)
         commit(tmp, target)
 
-    files._write_fsync = slow_write
+    files.durable = slow_durable
     core.commit = slow_commit
 
 

@@ -106,10 +106,10 @@ def test_steps_between_refreshes_convert_nothing() -> None:
     with mock.patch.object(torch.Tensor, "tolist", counting), mock.patch.object(torch.Tensor, "item") as item:
         for i in range(200):
             bar.on_train_batch_end(trainer, None, torch.tensor(float(i)), None, i)  # type: ignore[arg-type]
-        assert calls["n"] == 0 and item.call_count == 0
         bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
-        assert calls["n"] == 1  # the epoch's final redraw: one transfer for loss and metrics
-    bar.on_fit_end(trainer, None)  # type: ignore[arg-type]
+        assert calls["n"] == 0 and item.call_count == 0  # short epochs are not redrawn each
+        bar.on_fit_end(trainer, None)  # type: ignore[arg-type]
+        assert calls["n"] == 1  # the final redraw: one transfer for loss and metrics together
 
 
 def test_only_rank_zero_draws() -> None:

@@ -100,9 +100,10 @@ def test_model_checkpoint_argument_errors(tmp_path: Path) -> None:
         torchrig.ModelCheckpoint(mode="best")
     with pytest.raises(ValueError, match="enable_checkpointing=False, but a ModelCheckpoint is in callbacks"):
         quiet_trainer(tmp_path, callbacks=[torchrig.ModelCheckpoint()])
-    trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[torchrig.ModelCheckpoint(monitor="val_acc")])
-    trainer_ok = trainer  # enable_checkpointing is False in quiet_trainer: the line above must raise first
-    assert trainer_ok is None
+    ckpt = torchrig.ModelCheckpoint(monitor="val_acc")
+    trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[ckpt], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"monitor='val_acc'\) found no such logged metric; logged: \['train_loss'"):
+        trainer.fit(Regressor(), loader(8))
 
 
 @pytest.mark.timeout(20)

@@ -37,17 +37,13 @@ def rig_loop(
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(
-    ("accumulate", "clip", "algorithm"), [(1, None, "norm"), (3, 0.5, "norm"), (4, 0.05, "value")]
-)
+@pytest.mark.parametrize(("accumulate", "clip", "algorithm"), [(1, None, "norm"), (3, 0.5, "norm"), (4, 0.05, "value")])
 def test_accumulation_and_clipping_match_the_rig_loop(
     tmp_path: Any, accumulate: int, clip: float | None, algorithm: str
 ) -> None:
     torch.manual_seed(1)
     start = Regressor()
-    reference = rig_loop(
-        copy.deepcopy(start), epochs=2, accumulate=accumulate, clip=clip, algorithm=algorithm, seed=7
-    )
+    reference = rig_loop(copy.deepcopy(start), epochs=2, accumulate=accumulate, clip=clip, algorithm=algorithm, seed=7)
     module = copy.deepcopy(start)
     trainer = quiet_trainer(
         tmp_path,

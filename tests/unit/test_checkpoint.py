@@ -142,7 +142,9 @@ def test_mismatches_say_exactly_what_differs(rig: torchrig.Rig, tmp_path: Path) 
     with pytest.raises(CheckpointError, match=r"missing from the checkpoint \(2\): 3.weight \(2, 2\), 3.bias \(2,\)"):
         rig.load(path, {"model": deeper})
     shallow = nn.Sequential(nn.Linear(4, 8))
-    with pytest.raises(CheckpointError, match=r"in the checkpoint but not in the module \(2\): 2.bias \(2,\), 2.weight \(2, 8\)"):
+    with pytest.raises(
+        CheckpointError, match=r"in the checkpoint but not in the module \(2\): 2.bias \(2,\), 2.weight \(2, 8\)"
+    ):
         rig.load(path, {"model": shallow})
     with pytest.raises(CheckpointError, match="no name in common: this checkpoint was saved from a different model"):
         rig.load(path, {"model": nn.GRU(2, 2)})

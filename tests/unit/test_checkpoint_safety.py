@@ -96,7 +96,7 @@ def test_truncated_or_altered_files_are_refused_by_name(rig: torchrig.Rig, tmp_p
 def test_a_directory_without_meta_is_not_a_checkpoint(rig: torchrig.Rig, tmp_path: Path) -> None:
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "model.safetensors").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match="is not a torchrig checkpoint: it has no meta.json"):
+    with pytest.raises(CheckpointError, match=r"is not a torchrig checkpoint: it has no meta\.json"):
         rig.load(tmp_path / "half")
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         rig.load(tmp_path / "nothing")
@@ -111,16 +111,16 @@ def test_write_errors_are_raised_and_the_previous_checkpoint_stays(
 ) -> None:
     model = rig.prepare(nn.Linear(2, 2))
     rig.save(tmp_path / "step-1", {"model": model, "step": 1})
-    real = files._write_fsync
+    real = files.durable
     calls = []
 
-    def failing(path: Path, data: bytes) -> None:
+    def failing(path: Path) -> None:  # what fsync (or the write before it) raises on a full disk
         calls.append(path.name)
-        if len(calls) == 2:  # the first file is written, the second fails halfway
+        if len(calls) == 2:  # one file is written, the other fails
             raise error
-        real(path, data)
+        real(path)
 
-    monkeypatch.setattr(files, "_write_fsync", failing)
+    monkeypatch.setattr(files, "durable", failing)
     with pytest.raises(type(error), match=error.strerror):
         rig.save(tmp_path / "step-2", {"model": model, "step": 2})
     monkeypatch.undo()
@@ -136,3 +136,32 @@ def test_stale_temp_dirs_of_dead_saves_are_removed(rig: torchrig.Rig, tmp_path: 
     mine.mkdir()
     rig.save(tmp_path / "step-2", {"step": 2})
     assert not dead.exists() and mine.exists()
+
+
+@pytest.mark.timeout(20)
+def test_dcp_metadata_and_byte_items_never_run_code(tmp_path: Path) -> None:
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from torchrig.checkpoint.sharded import _safe_planner, check_dcp_metadata
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is initialised
+        model = nn.Linear(2, 2)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "good")
+        check_dcp_metadata(tmp_path / "good" / ".metadata")  # a real DCP metadata file passes
+
+        marker = tmp_path / MARKER_NAME
+        (tmp_path / "evil.metadata").write_bytes(pickle.dumps(Payload(marker)))
+        with pytest.raises(CheckpointError, match=r"refusing to load .*evil\.metadata: it names the Python object"):
+            check_dcp_metadata(tmp_path / "evil.metadata")
+        assert not marker.exists()
+
+        # A non-tensor item carrying a payload: DCP's own planner would unpickle it unrestricted.
+        dcp.save({"extra": Payload(marker)}, checkpoint_id=tmp_path / "bytes")
+        assert not marker.exists()
+        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+            dcp.load({"extra": None}, checkpoint_id=tmp_path / "bytes", planner=_safe_planner())
+        assert not marker.exists()

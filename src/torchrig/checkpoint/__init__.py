@@ -72,9 +72,11 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     Example:
         >>> # torchrig.checkpoint.consolidate("checkpoints/last", "model.safetensors")
     """
-    from torchrig.checkpoint.files import VerifiedReader, fsync_dir
+    import safetensors.torch
+
+    from torchrig.checkpoint.files import VerifiedReader, durable, fsync_dir
     from torchrig.checkpoint.sharded import consolidate_dcp
-    from torchrig.checkpoint.state import from_safetensors_file, to_safetensors_bytes
+    from torchrig.checkpoint.state import from_safetensors_file
 
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
@@ -103,11 +105,8 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    data = to_safetensors_bytes(flat)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    safetensors.torch.save_file({k: t.contiguous() for k, t in flat.items()}, str(tmp))
+    durable(tmp)
     os.replace(tmp, target)
     fsync_dir(target.parent)
     return target

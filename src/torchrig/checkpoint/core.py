@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import io
 import os
 import time
@@ -30,6 +31,7 @@ from torchrig.checkpoint.files import (
     unsafe_globals,
     update_link,
     write_meta,
+    write_torch,
 )
 from torchrig.checkpoint.state import (
     capture_rng,
@@ -40,8 +42,8 @@ from torchrig.checkpoint.state import (
     restore_rng,
     split_module_state,
     summary_values,
-    to_safetensors_bytes,
     unwrap_module,
+    write_safetensors,
 )
 
 STATE_FILE = "state.pt"
@@ -107,12 +109,24 @@ def base_meta(rig: Any, entries: dict[str, Any], values: dict[str, Any]) -> dict
     }
 
 
-def serialize_blob(blob: dict[str, Any]) -> bytes:
-    """``torch.save`` bytes, refused at save time if ``weights_only`` loading could not read them."""
+def _skeleton(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by an empty one: enough to see which classes it pickles."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(0, dtype=obj.dtype)
+    if isinstance(obj, dict):
+        out = {k: _skeleton(v) for k, v in obj.items()}
+        return type(obj)(out) if type(obj) is not dict else out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_skeleton(v) for v in obj)
+    return obj
+
+
+def check_weights_only(blob: dict[str, Any]) -> None:
+    """Refuse, at save time, state that ``weights_only`` loading could not read back."""
     buf = io.BytesIO()
-    torch.save(blob, buf)
-    data = buf.getvalue()
-    bad = unsafe_globals(data)
+    torch.save(_skeleton(blob), buf)
+    buf.seek(0)
+    bad = unsafe_globals(buf)
     if bad:
         raise TypeError(
             f"the checkpoint state holds Python objects that cannot be loaded safely: {', '.join(bad)}. "
@@ -120,21 +134,20 @@ def serialize_blob(blob: dict[str, Any]) -> bytes:
             "unpickles arbitrary objects); convert these values to plain types, or give the object "
             "state_dict()/load_state_dict() that return plain types"
         )
-    return data
 
 
 def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | None, link: str | None) -> None:
     """Rank zero: write every file into a temp dir, fsync, then rename it into place."""
-    state_bytes = serialize_blob(payload["blob"])  # fails before any file is touched
+    check_weights_only(payload["blob"])  # fails before any file is touched
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target.parent)
     tmp = temp_dir_for(target)
     try:
         tensors = params = 0
         with FileSet(tmp) as files:
-            files.add(STATE_FILE, state_bytes)
+            files.add(STATE_FILE, functools.partial(write_torch, obj=payload["blob"]))
             for key, sd in payload["modules"].items():
-                files.add(f"{key}.safetensors", to_safetensors_bytes(sd))
+                files.add(f"{key}.safetensors", functools.partial(write_safetensors, tensors=sd))
                 unique = {(t.data_ptr(), t.shape, t.dtype): t for t in sd.values()}  # tied weights count once
                 tensors += len(sd)
                 params += sum(t.numel() for t in unique.values() if t.is_floating_point() or t.is_complex())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap
 import os
 import pickle
 import shutil
@@ -40,9 +41,13 @@ def _write_fsync(path: Path, data: bytes | memoryview) -> None:
         os.fsync(f.fileno())
 
 
-def sha256_of(data: bytes | memoryview) -> str:
-    # hashlib releases the GIL on large buffers, so this runs beside the write of the same bytes.
-    return hashlib.sha256(data).hexdigest()
+def durable(path: Path) -> None:
+    """fsync a file that was just written (its data reaches the disk before the rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -57,36 +62,77 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class HashingWriter(io.RawIOBase):
+    """A write-only file that hashes what passes through, the hash beside the write.
+
+    ``torch.save`` hands over each tensor's bytes in one call, valid only during it: large
+    buffers are hashed on a second thread (hashlib releases the GIL) while this one writes them.
+    """
+
+    def __init__(self, f: io.BufferedWriter) -> None:
+        super().__init__()
+        self._f = f
+        self._hash = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        if view.nbytes < _CHUNK:
+            self._hash.update(view)
+            self._f.write(view)
+        else:
+            hashed = self._pool.submit(self._hash.update, view)
+            self._f.write(view)
+            hashed.result()
+        return view.nbytes
+
+    def hexdigest(self) -> str:
+        self._pool.shutdown(wait=True)
+        return self._hash.hexdigest()
+
+
+def write_torch(path: Path, obj: Any) -> str:
+    """``torch.save`` into ``path``, fsynced; returns the SHA-256 of the bytes written."""
+    with open(path, "xb") as f:
+        writer = HashingWriter(f)
+        torch.save(obj, writer)  # type: ignore[arg-type]
+        digest = writer.hexdigest()
+        f.flush()
+    durable(path)
+    return digest
+
+
 class FileSet:
-    """Writes the files of one checkpoint into ``folder``, hashing each beside its write.
+    """Writes the files of one checkpoint into ``folder`` in parallel; each job returns its SHA-256.
 
     Example:
-        >>> # with FileSet(tmp) as fs: fs.add("state.pt", data); files = fs.finish()
+        >>> # with FileSet(tmp) as fs: fs.add("state.pt", lambda p: write_torch(p, obj)); fs.finish()
     """
 
     def __init__(self, folder: Path, *, workers: int = 4) -> None:
         self.folder = folder
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="torchrig-ckpt")
-        self._jobs: dict[str, tuple[Future[None], Future[str], int]] = {}
+        self._jobs: dict[str, Future[str]] = {}
 
-    def add(self, name: str, data: bytes | memoryview) -> None:
-        write = self._pool.submit(_write_fsync, self.folder / name, data)
-        digest = self._pool.submit(sha256_of, data)
-        self._jobs[name] = (write, digest, len(data))
+    def add(self, name: str, write: Callable[[Path], str]) -> None:
+        """Run ``write(path) -> sha256`` on a worker thread."""
+        self._jobs[name] = self._pool.submit(write, self.folder / name)
 
     def finish(self) -> dict[str, dict[str, Any]]:
         """Wait for every write (re-raising the first error, ENOSPC included); the files table."""
-        files: dict[str, dict[str, Any]] = {}
-        for name, (write, digest, size) in self._jobs.items():
-            write.result()
-            files[name] = {"size": size, "sha256": digest.result()}
-        return files
+        return {
+            name: {"sha256": job.result(), "size": (self.folder / name).stat().st_size}
+            for name, job in self._jobs.items()
+        }
 
     def __enter__(self) -> FileSet:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def hash_existing(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -303,13 +349,12 @@ class VerifiedReader:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
+    """SHA-256 of a file, hashed straight from the page cache through mmap (no read copy)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return hashlib.sha256().hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return hashlib.sha256(view).hexdigest()
 
 
 def verify_files(folder: Path, meta: dict[str, Any]) -> list[tuple[str, int, bool]]:
@@ -342,6 +387,6 @@ def safe_torch_load(path: Path, *, map_location: Any = None) -> Any:
         ) from None
 
 
-def unsafe_globals(data: bytes) -> list[str]:
+def unsafe_globals(f: io.BytesIO) -> list[str]:
     """Python classes/functions a ``torch.save`` payload refers to that weights_only loading refuses."""
-    return list(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+    return list(torch.serialization.get_unsafe_globals_in_checkpoint(f))

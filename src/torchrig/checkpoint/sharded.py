@@ -10,7 +10,7 @@ SHA-256 of every file, rename.
 from __future__ import annotations
 
 import io
-import pickletools
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -31,31 +31,47 @@ _SAFE_GLOBALS = {
     ("copyreg", "_reconstructor"),
     ("builtins", "object"),
     ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),  # DCP records the checkpoint_id it was saved to
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
 }
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Python's documented way to restrict unpickling: only allow-listed globals can be named."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_SAFE_MODULES) or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"refusing to load {self.path}: it names the Python object {module}.{name}, which could run "
+            "code when unpickled; a DCP metadata file only holds DCP's own classes"
+        )
+
+    path: Path
 
 
 def check_dcp_metadata(path: Path) -> None:
     """Refuse a ``.metadata`` pickle naming anything but DCP's classes and torch dtypes.
 
-    DCP unpickles this file with plain ``pickle``; scanning its opcodes first (without running
-    them) keeps a stranger's checkpoint from executing code.
+    DCP unpickles this file with plain ``pickle``; reading it first through a restricted
+    unpickler (nothing outside the allow-list can be named, so nothing else can be called)
+    keeps a stranger's checkpoint from executing code.
     """
-    strings: list[str] = []
-    for op, arg, _ in pickletools.genops(io.BytesIO(path.read_bytes())):
-        if isinstance(arg, str):
-            strings.append(arg)
-        if op.name in ("GLOBAL", "STACK_GLOBAL", "INST"):
-            module, name = (arg.split(" ", 1) if op.name != "STACK_GLOBAL" else strings[-2:]) if (
-                op.name != "STACK_GLOBAL" or len(strings) >= 2
-            ) else ("?", "?")
-            safe = module.startswith(_SAFE_MODULES) or (module, name) in _SAFE_GLOBALS
-            safe = safe or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)))
-            safe = safe or (module == "torch" and isinstance(getattr(torch, name, None), torch.memory_format))
-            if not safe:
-                raise CheckpointError(
-                    f"refusing to load {path}: it names the Python object {module}.{name}, which could run "
-                    "code when unpickled; a DCP metadata file only holds DCP's own classes"
-                )
+    with open(path, "rb") as f:
+        unpickler = _MetadataUnpickler(f)
+        unpickler.path = path
+        try:
+            unpickler.load()
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"{path} is not a readable DCP metadata file: {err}") from err
 
 
 def _owner(module_items: dict[str, nn.Module], optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -74,9 +90,7 @@ def split(state: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, Any], 
     from torchrig.checkpoint.state import unwrap_module
 
     modules = {k: unwrap_module(v) for k, v in state.items() if isinstance(v, nn.Module)}
-    optims = {
-        k: getattr(v, "optimizer", v) for k, v in state.items() if isinstance(v, torch.optim.Optimizer)
-    }
+    optims = {k: getattr(v, "optimizer", v) for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
     rest = {k: v for k, v in state.items() if k not in modules and k not in optims}
     return modules, optims, rest
 
@@ -104,6 +118,7 @@ def save(rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None
         temp_dir_for,
         update_link,
         write_meta,
+        write_torch,
     )
 
     modules, optims, rest = split(state)
@@ -118,15 +133,17 @@ def save(rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None
     failed = not rig.reduce_boolean_decision(error is None, all=True)
     if rig.is_global_zero and not failed:
         try:
-            state_bytes = core.serialize_blob(payload["blob"])
+            core.check_weights_only(payload["blob"])
             with FileSet(tmp) as files:
-                files.add(core.STATE_FILE, state_bytes)
+                files.add(core.STATE_FILE, lambda p: write_torch(p, payload["blob"]))
                 table = files.finish()
             names = [p.name for p in tmp.iterdir() if p.name != core.STATE_FILE]
             table.update(hash_existing(tmp, names))
             entries = dict(payload["entries"])
             entries.update({k: {"kind": "module", "type": core._qualname(m), "dcp": True} for k, m in modules.items()})
-            entries.update({k: {"kind": "optimizer", "type": core._qualname(o), "dcp": True} for k, o in optims.items()})
+            entries.update(
+                {k: {"kind": "optimizer", "type": core._qualname(o), "dcp": True} for k, o in optims.items()}
+            )
             meta = core.base_meta(rig, entries, payload["blob"]["values"])
             meta.update(sharded=True, files=table, **_counts(tmp))
             write_meta(tmp, meta)
@@ -210,7 +227,9 @@ def load(
         blob = safe_torch_load(reader.path(core.STATE_FILE), map_location=rig.device)
     check_dcp_metadata(folder / DCP_METADATA)
     _compare(folder, modules, strict)
-    shards = dcp_state({k: m for k, m in modules.items() if k in entries}, {k: o for k, o in optims.items() if k in entries})
+    shards = dcp_state(
+        {k: m for k, m in modules.items() if k in entries}, {k: o for k, o in optims.items() if k in entries}
+    )
     dcp.load(shards, checkpoint_id=folder, planner=_safe_planner())
     for k, m in modules.items():
         if k in shards:
@@ -236,19 +255,16 @@ def _compare(folder: Path, modules: dict[str, nn.Module], strict: bool) -> None:
             for name, v in md.items()
             if name.startswith(key + ".") and isinstance(v, TensorStorageMetadata)
         }
-        own = get_model_state_dict(module)
-        probe = nn.Module()
-        probe.state_dict = lambda own=own: own  # type: ignore[method-assign]
-        _, message = compare_module(key, probe, saved)
+        own = {k: v for k, v in get_model_state_dict(module).items() if isinstance(v, torch.Tensor)}
+        _, message = compare_module(key, own, saved)
         if message and strict:
-            problems.append(message.replace("the module Module", f"the module {type(module).__name__}"))
+            problems.append(message.replace("its module", f"the module {type(module).__name__}"))
     if problems:
         raise CheckpointError("\n".join(problems))
 
 
 def consolidate_dcp(folder: Path, meta: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     """The full tensors of every module entry of a sharded checkpoint, read in this one process."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
     from torchrig.checkpoint.files import VerifiedReader
@@ -259,6 +275,9 @@ def consolidate_dcp(folder: Path, meta: dict[str, Any]) -> dict[str, dict[str, t
         reader.check()
     check_dcp_metadata(folder / DCP_METADATA)
     keys = [k for k, e in meta["entries"].items() if e["kind"] == "module"]
+    # What dcp_to_torch_save does (it is DCP's own converter), but with the weights_only planner.
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
     sd: dict[str, Any] = {}
-    dcp.load(sd, storage_reader=FileSystemReader(str(folder)), planner=_safe_planner(keys=keys), no_dist=True)
+    _load_state_dict(sd, storage_reader=FileSystemReader(str(folder)), planner=_safe_planner(keys=keys), no_dist=True)
     return {k: {n: t for n, t in sd.get(k, {}).items() if isinstance(t, torch.Tensor)} for k in keys}

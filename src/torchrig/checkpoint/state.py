@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,12 @@ def split_module_state(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dic
     return tensors, extras
 
 
-def to_safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    """Serialize a state dict; tied tensors are stored once and recorded as aliases.
+def for_safetensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors safetensors accepts, and metadata recording tied tensors.
 
     safetensors refuses tensors that share memory, so a tensor that is exactly another one
-    (tied weights) is written once under its first name, and views that only overlap are copied.
+    (tied weights) is written once under its first name and recorded as an alias; views that
+    only overlap are copied, and non-contiguous tensors made contiguous.
     """
     seen: dict[tuple[Any, ...], str] = {}
     storages: set[int] = set()
@@ -54,21 +56,37 @@ def to_safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        ptr = t.untyped_storage().data_ptr()
+        ident = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if t.numel() and ident in seen:
             aliases[name] = seen[ident]
             continue
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() and (ptr in storages or not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes):
-            t = t.contiguous() if ptr not in storages and not t.is_contiguous() else t.clone()
+        if t.numel() and ptr in storages:
+            t = t.clone()
+        elif not t.is_contiguous():
+            t = t.contiguous()
         storages.add(ptr)
         seen[ident] = name
         out[name] = t
-    return safetensors.torch.save(out, metadata={ALIASES_KEY: json.dumps(aliases)})
+    return out, {ALIASES_KEY: json.dumps(aliases)}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """Write ``tensors`` (tied ones once) to ``path``, fsynced; returns the file's SHA-256."""
+    from torchrig.checkpoint.files import durable, sha256_file
+
+    out, metadata = for_safetensors(tensors)
+    safetensors.torch.save_file(out, str(path), metadata=metadata)  # straight from tensor memory
+    # The hash re-reads the file from the page cache while the disk flushes it.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-fsync") as pool:
+        flushed = pool.submit(durable, path)
+        digest = sha256_file(path)
+        flushed.result()
+    return digest
 
 
 def from_safetensors_file(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Tensors of a file written by :func:`to_safetensors_bytes` on ``device``, tied tensors re-tied."""
+    """Tensors of a file written by :func:`write_safetensors` on ``device``, tied tensors re-tied."""
     with safetensors.safe_open(str(path), framework="pt", device=str(device)) as f:  # type: ignore[no-untyped-call]
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         meta = f.metadata() or {}
@@ -83,15 +101,22 @@ def _fmt(names: list[str], shapes: dict[str, Any]) -> str:
     return shown + (f" and {len(names) - _SHOW} more" if len(names) > _SHOW else "")
 
 
-def compare_module(key: str, module: nn.Module, saved: dict[str, torch.Tensor]) -> tuple[list[str], str | None]:
-    """Names whose shapes differ, and a message listing every missing/unexpected/mismatched entry."""
-    own = {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+def compare_module(
+    key: str, module: nn.Module | dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
+) -> tuple[list[str], str | None]:
+    """Names whose shapes differ, and a message listing every missing/unexpected/mismatched entry.
+
+    ``module`` is the module to load into, or its state dict (under FSDP, with the full shapes).
+    """
+    sd = module if isinstance(module, dict) else module.state_dict()
+    own = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     missing = [k for k in own if k not in saved]
     unexpected = sorted(k for k in saved if k not in own)
     wrong = [k for k in own if k in saved and tuple(own[k].shape) != tuple(saved[k].shape)]
     if not (missing or unexpected or wrong):
         return [], None
-    lines = [f"checkpoint entry {key!r} does not match the module {type(module).__name__}:"]
+    what = "its module" if isinstance(module, dict) else f"the module {type(module).__name__}"
+    lines = [f"checkpoint entry {key!r} does not match {what}:"]
     if missing:
         lines.append(f"  missing from the checkpoint ({len(missing)}): {_fmt(missing, {k: own[k].shape for k in own})}")
     if unexpected:
@@ -110,7 +135,7 @@ def compare_module(key: str, module: nn.Module, saved: dict[str, torch.Tensor]) 
 # -- RNG ------------------------------------------------------------------------------------
 def capture_rng(device: torch.device) -> dict[str, Any]:
     """Python, NumPy, torch CPU and every device of ``device.type``, as weights_only-safe data."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()  # the legacy tuple form
     rng: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {

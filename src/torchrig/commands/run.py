@@ -1,14 +1,108 @@
-"""`torchrig run` (placeholder until its issue lands)."""
+"""``torchrig run``: start a script on N processes per machine through torchrun.
+
+    torchrig run --devices 2 script.py ARGS
+    torchrig run --devices 8 --num-nodes 2 --node-rank 0 --master-addr HOST --master-port 29500 script.py ARGS
+
+The processes are started by ``torch.distributed.run`` (torchrun's Python API), which also
+watches them: when one fails the others are stopped and the failing rank is reported.
+``--accelerator``, ``--devices``, ``--strategy``, ``--precision`` and ``--num-nodes`` reach the
+script through the ``TORCHRIG_*`` variables that ``Rig()`` and ``Trainer()`` read as defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from typing import Any
+
+from torchrig.resolve import ENV_DEFAULTS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("run", help="(not built yet)")
+    p = sub.add_parser(
+        "run",
+        help="run a script on N processes (and M machines) through torchrun",
+        description="Run a script on N processes per machine through torch.distributed.run (torchrun).",
+    )
+    p.add_argument("--devices", default="auto", help="processes per machine: a count, 'auto', or indices '0,1'")
+    p.add_argument("--num-nodes", type=int, default=1, help="number of machines (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..num-nodes-1")
+    p.add_argument("--master-addr", default=None, help="address of the node-rank-0 machine (multi-node)")
+    p.add_argument("--master-port", type=int, default=None, help="a free TCP port on that machine")
+    p.add_argument("--accelerator", default=None, help="passed to the script as TORCHRIG_ACCELERATOR")
+    p.add_argument("--strategy", default=None, help="passed to the script as TORCHRIG_STRATEGY")
+    p.add_argument("--precision", default=None, help="passed to the script as TORCHRIG_PRECISION")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(handler=main)
 
 
+def process_count(accelerator: str | None, devices: str) -> int:
+    """How many processes ``--devices`` means on this machine for ``--accelerator``."""
+    from torchrig.resolve import resolve_accelerator, resolve_devices
+
+    acc = resolve_accelerator(accelerator or "auto")
+    spec: Any = devices
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        spec = int(devices)
+    return len(resolve_devices(acc, spec))
+
+
+def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
+    """The ``torch.distributed.run`` command line for ``args``."""
+    out = [f"--nproc-per-node={nproc}", f"--nnodes={args.num_nodes}"]
+    if args.num_nodes == 1 and args.master_addr is None and args.master_port is None:
+        out.append("--standalone")  # a private rendezvous on a free local port
+    else:
+        if args.master_addr is None or args.master_port is None:
+            raise ValueError(
+                f"--num-nodes {args.num_nodes} needs --master-addr and --master-port (the address of the "
+                "node-rank-0 machine and a free port there), the same on every machine"
+            )
+        if not 0 <= args.node_rank < args.num_nodes:
+            raise ValueError(f"--node-rank {args.node_rank} must be in 0..{args.num_nodes - 1}")
+        out += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}"]
+        out.append(f"--master-port={args.master_port}")
+    return [*out, args.script, *args.script_args]
+
+
+def script_env(args: argparse.Namespace) -> dict[str, str]:
+    """The ``TORCHRIG_*`` defaults the script's ``Rig()``/``Trainer()`` will read."""
+    env = {ENV_DEFAULTS["devices"]: str(args.devices), ENV_DEFAULTS["num_nodes"]: str(args.num_nodes)}
+    for name in ("accelerator", "strategy", "precision"):
+        value = getattr(args, name)
+        if value is not None:
+            env[ENV_DEFAULTS[name]] = str(value)
+    return env
+
+
 def main(args: argparse.Namespace) -> int:
-    raise SystemExit("torchrig run is not built yet")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if not os.path.isfile(args.script):
+        print(f"torchrig run: no such script: {args.script}", file=sys.stderr)
+        return 2
+    try:
+        nproc = process_count(args.accelerator, args.devices)
+        launch = torchrun_args(args, nproc)
+    except ValueError as err:
+        print(f"torchrig run: {err}", file=sys.stderr)
+        return 2
+    os.environ.update(script_env(args))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, without its warning
+    try:
+        run(get_args_parser().parse_args(launch))
+    except ChildFailedError as err:
+        # torchrun has already stopped the other ranks; say which one failed first, and why.
+        print(err.format_msg(), file=sys.stderr)
+        rank, first = err.get_first_failure()
+        message = first.message.get("message", "") if isinstance(first.message, dict) else first.message
+        print(
+            f"torchrig run: {args.script} failed: rank {rank} failed first (exit code {first.exitcode})"
+            + (f": {message}" if message else ""),
+            file=sys.stderr,
+        )
+        return 1
+    return 0

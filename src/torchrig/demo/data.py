@@ -100,16 +100,17 @@ class DigitsDataModule(DataModule):
                 split_seed=self.split_seed, val_fraction=self.val_fraction, test_fraction=self.test_fraction
             )
 
-    def _splits(self) -> DigitsSplits:
+    def loaded(self) -> DigitsSplits:
+        """The splits (an error before ``setup``)."""
         if self.splits is None:
             raise RuntimeError("DigitsDataModule.setup(stage) must run before its dataloaders are asked for")
         return self.splits
 
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
-        return DataLoader(self._splits().train, batch_size=self.batch_size, shuffle=True)
+        return DataLoader(self.loaded().train, batch_size=self.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
-        return DataLoader(self._splits().val, batch_size=512)
+        return DataLoader(self.loaded().val, batch_size=512)
 
     def test_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
-        return DataLoader(self._splits().test, batch_size=512)
+        return DataLoader(self.loaded().test, batch_size=512)

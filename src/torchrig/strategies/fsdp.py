@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -129,10 +130,7 @@ class FSDPStrategy(ParallelStrategy):
         fully_shard(module, **kwargs)
         if on_meta:
             module.to_empty(device=self.root_device)  # only the local shards get memory
-            for sub in module.modules():
-                reset = getattr(sub, "reset_parameters", None)
-                if callable(reset):
-                    reset()
+            _reset_parameters(module)
         after = dict(module.named_parameters())
         for name, (old_id, shape) in before.items():
             if name in after:
@@ -185,6 +183,25 @@ class FSDPStrategy(ParallelStrategy):
 
     def __repr__(self) -> str:
         return f"FSDPStrategy(cpu_offload={self.cpu_offload}, reshard_after_forward={self.reshard_after_forward})"
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    """Initialise materialised shards with each module's own ``reset_parameters``."""
+    missing = []
+    for name, sub in module.named_modules():
+        # ``_reset_parameters`` is what nn.MultiheadAttention and nn.Transformer call theirs.
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+        if callable(reset):
+            reset()
+        elif any(True for _ in sub.parameters(recurse=False)):
+            missing.append(f"{name or '<root>'} ({type(sub).__name__})")
+    if missing:
+        warnings.warn(
+            "rig.init_module(empty_init=True): these modules have parameters but no reset_parameters(), so "
+            f"their materialised shards hold uninitialised memory: {', '.join(missing)}. Add a "
+            "reset_parameters() method, or load weights after prepare",
+            stacklevel=3,
+        )
 
 
 @contextlib.contextmanager

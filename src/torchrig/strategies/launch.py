@@ -98,6 +98,7 @@ class SubprocessLauncher:
         self.join_timeout = join_timeout
         self.children: dict[int, subprocess.Popen[bytes]] = {}
         self._done = threading.Event()
+        self._exit_codes: dict[int, int | None] = {}
 
     def start(self) -> ClusterEnvironment:
         """Start the other local ranks; returns this process's place in the run."""
@@ -153,9 +154,14 @@ class SubprocessLauncher:
                     os._exit(1)
             time.sleep(0.1)
 
-    def kill(self) -> None:
-        """Stop every child still running (SIGTERM, then SIGKILL after 3 s)."""
+    def kill(self, grace: float = 0.0) -> None:
+        """Stop every child still running (after ``grace`` seconds; SIGTERM, then SIGKILL after 3 s)."""
         self._done.set()
+        deadline = time.monotonic() + grace
+        while grace and time.monotonic() < deadline and any(p.poll() is None for p in self.children.values()):
+            time.sleep(0.05)
+        # Remember how children ended on their own, so the report names the rank that failed first.
+        self._exit_codes = {r: p.poll() for r, p in self.children.items()}
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -175,6 +181,7 @@ class SubprocessLauncher:
                 code = proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 code = None
+            code = self._exit_codes.get(rank, code)
             if code != 0:
                 failed.append((rank, code))
         self._done.set()
@@ -226,7 +233,10 @@ def install_failure_report(rank: int, world_size: int, on_failure: Callable[[], 
             try:
                 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-                get_error_handler().record_exception(value)
+                try:  # the handler reads the traceback of the exception being handled
+                    raise value
+                except Exception as err:
+                    get_error_handler().record_exception(err)
             except Exception:
                 traceback.print_exc()
 

@@ -146,7 +146,9 @@ class ParallelStrategy(Strategy):
             env = self._launcher.start()
         self._env = env
         watch_parent()
-        install_failure_report(env.global_rank, env.world_size, self._launcher.kill if self._launcher else None)
+        launcher = self._launcher
+        # On failure give the other ranks a moment to fail by themselves (so they report it), then stop them.
+        install_failure_report(env.global_rank, env.world_size, (lambda: launcher.kill(grace=2.0)) if launcher else None)
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
         if not dist.is_initialized():

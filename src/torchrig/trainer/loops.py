@@ -7,6 +7,7 @@ values stay tensors on the device.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Iterator, Sized
@@ -99,9 +100,9 @@ def run_fit(trainer: Trainer) -> None:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
     while not _fit_done(tr):
         run_train_epoch(tr)
+        state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
         if tr.should_stop:
             break
-        state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
     tr._call_module("on_train_end")
 
 
@@ -273,11 +274,20 @@ def _eval_loader(tr: Trainer, stage: str, method: Any, loader: Any, idx: int | N
     if n <= 0:
         return
     for batch_idx, batch in enumerate(loader):
-        args = (batch, batch_idx) if idx is None else (batch, batch_idx, idx)
+        args = (batch, batch_idx) if idx is None or not _takes_loader_index(method) else (batch, batch_idx, idx)
         output = call_step(prepared, method, *args)
         tr._call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
         if batch_idx + 1 >= n:
             break
+
+
+def _takes_loader_index(method: Any) -> bool:
+    """Whether a ``*_step`` accepts ``dataloader_idx`` (passed only with several loaders)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind is p.VAR_POSITIONAL for p in params) or len(params) >= 3
 
 
 def _split_by_loader(values: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:

@@ -148,7 +148,8 @@ class TrainingModule(nn.Module):
         )
         if not (options.on_step or options.on_epoch):
             raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing; set one to True")
-        trainer._active_metrics.log(name, value, options, batch_size)
+        # With several eval loaders, each loader's values are kept apart (``name/dataloader_idx_N``).
+        trainer._active_metrics.log(name + trainer._log_suffix, value, options, batch_size)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         """``self.log(name, value, **kwargs)`` for each item."""

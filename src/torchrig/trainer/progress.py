@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from torchrig.trainer.callbacks import Callback
 
@@ -59,14 +59,11 @@ class ProgressBar(Callback):
         self.refresh_interval = float(refresh_interval)
         self._console = console
         self._progress: Progress | None = None
-        self._owns_progress = False
-        self._train_task: TaskID | None = None
-        self._eval_task: TaskID | None = None
-        self._count = 0
-        self._eval_count = 0
+        self._owns_progress = False  # started by fit (else by a standalone validate/test/predict)
+        self._train_task = self._eval_task = TaskID(0)
+        self._train = _Counter()
+        self._eval = _Counter()
         self._last_draw = 0.0
-        self._epoch_start = 0.0
-        self._eval_start = 0.0
         self._loss: Any = None
         self._logged_before: dict[str, Any] = {}
 
@@ -87,45 +84,39 @@ class ProgressBar(Callback):
             self._start(owned=True)
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
-        self._count = 0
         self._loss = None
-        self._epoch_start = self._last_draw = time.perf_counter()
-        if self._progress is None:
-            return
-        total = _total(getattr(trainer, "num_training_batches", None))
-        desc = f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}"
-        if self._train_task is None:
-            self._train_task = self._progress.add_task(desc, total=total, metrics="", speed="")
-        else:
-            self._progress.reset(self._train_task, total=total, description=desc, metrics="", speed="")
-        self._progress.refresh()
+        self._train.start(_total(getattr(trainer, "num_training_batches", None)))
+        if self._progress is not None:
+            desc = f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}"
+            self._progress.update(self._train_task, description=desc, visible=True, **self._train.fields())
+            if self._due():
+                self._progress.refresh()
 
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # The hot path: a counter, a reference and a clock read. No conversion, no sync.
-        self._count += 1
+        self._train.count += 1
         self._loss = outputs
-        if self._progress is not None:
-            now = time.perf_counter()
-            if now - self._last_draw >= self.refresh_interval:
-                self._last_draw = now
-                self._draw_train(trainer)
+        if self._progress is not None and self._due():
+            self._draw_train(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if not _rank_zero(trainer):
             return
         if self._progress is not None:
-            self._draw_train(trainer)
+            if self._due():  # short epochs: redrawn at the rate limit, not once each
+                self._draw_train(trainer)
             return
-        elapsed = max(time.perf_counter() - self._epoch_start, 1e-9)
         line = (
             f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}: "
-            f"{self._count} steps in {elapsed:.2f}s ({self._count / elapsed:.1f} it/s)"
+            f"{self._train.count} steps in {self._train.elapsed():.2f}s ({self._train.rate():.1f} it/s)"
         )
         self.console.print(_join(line, self._train_metrics(trainer)), highlight=False, soft_wrap=True)
 
     def on_fit_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        if self._progress is not None:
+            self._update_train(trainer)  # the final state, whatever the rate limit skipped
         self._stop()
 
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
@@ -133,47 +124,37 @@ class ProgressBar(Callback):
 
     # -- evaluation ------------------------------------------------------------------------
     def on_eval_start(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
-        self._eval_count = 0
         self._logged_before = dict(getattr(trainer, "logged_metrics", None) or {})
-        self._eval_start = self._last_draw = time.perf_counter()
+        self._eval.start(_total(_eval_batches(trainer, stage)))
         if not (_rank_zero(trainer) and self.is_live):
             return
         if self._progress is None:
             self._start(owned=False)
-        progress = self._progress
-        if progress is None:
-            return
-        total = _total(_eval_batches(trainer, stage))
-        self._eval_task = progress.add_task(_title(stage), total=total, metrics="", speed="")
-        self._progress.refresh()
+        if self._progress is not None:
+            self._progress.update(self._eval_task, description=_title(stage), visible=True, **self._eval.fields())
+            if self._due():
+                self._progress.refresh()
 
     def on_eval_batch_end(
         self, trainer: Trainer, module: TrainingModule, stage: str, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._eval_count += 1
-        if self._progress is not None and self._eval_task is not None:
-            now = time.perf_counter()
-            if now - self._last_draw >= self.refresh_interval:
-                self._last_draw = now
-                self._progress.update(self._eval_task, completed=self._eval_count)
-                self._progress.refresh()
+        self._eval.count += 1
+        if self._progress is not None and self._due():
+            self._progress.update(self._eval_task, **self._eval.fields())
+            self._progress.refresh()
 
     def on_eval_end(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         if not _rank_zero(trainer):
             return
-        if self._progress is not None and self._eval_task is not None:
-            self._progress.remove_task(self._eval_task)
-            self._eval_task = None
-            if self._train_task is not None:
-                self._draw_train(trainer)  # show the new validation metrics on the training bar
-            else:
-                self._progress.refresh()
+        if self._progress is not None:
+            self._progress.update(self._eval_task, visible=False)
             if not self._owns_progress:
-                self._stop()
-        elapsed = max(time.perf_counter() - self._eval_start, 1e-9)
-        if stage.startswith("sanity") or (self.is_live and (self._train_task is not None or stage == "predict")):
+                self._stop()  # a standalone validate/test/predict: its bar ends here
+            elif self._due():
+                self._draw_train(trainer)  # the new validation metrics on the training bar
+        if stage.startswith("sanity") or (self.is_live and (self._owns_progress or stage == "predict")):
             return  # the training bar shows validation metrics; sanity/predict have none to show
-        line = f"{_title(stage)}: {self._eval_count} batches in {elapsed:.2f}s"
+        line = f"{_title(stage)}: {self._eval.count} batches in {self._eval.elapsed():.2f}s"
         metrics = {} if stage == "predict" else self._eval_metrics(trainer)
         self.console.print(_join(line, metrics), highlight=False, soft_wrap=True)
 
@@ -184,39 +165,48 @@ class ProgressBar(Callback):
         return to_floats(fresh)
 
     # -- drawing ---------------------------------------------------------------------------
+    def _due(self) -> bool:
+        """Whether ``refresh_interval`` has passed since the last redraw (then it counts as one)."""
+        now = time.perf_counter()
+        if now - self._last_draw < self.refresh_interval:
+            return False
+        self._last_draw = now
+        return True
+
     def _start(self, *, owned: bool) -> None:
-        self._progress = Progress(
+        progress = Progress(
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TimeRemainingColumn(),
+            TextColumn("{task.fields[eta]}"),
             TextColumn("{task.fields[speed]}"),
             TextColumn("{task.fields[metrics]}"),
             console=self.console,
             auto_refresh=False,  # no drawing thread competing with training for the GIL
         )
-        self._progress.start()
-        self._owns_progress = owned
+        # Both rows exist from the start and are shown/hidden with update(), because rich's
+        # add_task and reset always redraw, which the rate limit must decide.
+        fields = {"eta": "", "speed": "", "metrics": ""}
+        self._train_task = progress.add_task("", total=None, visible=False, **fields)
+        self._eval_task = progress.add_task("", total=None, visible=False, **fields)
+        progress.start()
+        self._progress, self._owns_progress = progress, owned
 
     def _stop(self) -> None:
         if self._progress is not None:
-            self._progress.refresh()
-            self._progress.stop()
+            self._progress.stop()  # draws the final state
         self._progress = None
-        self._train_task = self._eval_task = None
+        self._owns_progress = False
 
     def _draw_train(self, trainer: Trainer) -> None:
-        if self._progress is None or self._train_task is None:
-            return
-        elapsed = max(time.perf_counter() - self._epoch_start, 1e-9)
-        metrics = self._train_metrics(trainer)
-        self._progress.update(
-            self._train_task,
-            completed=self._count,
-            speed=f"{self._count / elapsed:.1f} it/s",
-            metrics=" ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()),
-        )
-        self._progress.refresh()
+        self._update_train(trainer)
+        if self._progress is not None:
+            self._progress.refresh()
+
+    def _update_train(self, trainer: Trainer) -> None:
+        if self._progress is not None:
+            metrics = " ".join(f"{k}={_fmt(v)}" for k, v in self._train_metrics(trainer).items())
+            self._progress.update(self._train_task, metrics=metrics, **self._train.fields())
 
     def _train_metrics(self, trainer: Trainer) -> dict[str, float]:
         values: dict[str, Any] = {}
@@ -225,6 +215,33 @@ class ProgressBar(Callback):
             values["loss"] = loss
         values.update(getattr(trainer, "progress_bar_metrics", None) or {})
         return to_floats(values)
+
+
+class _Counter:
+    """Batches done in the running loop, with its rate and time left (our own, so that a
+    restarted epoch does not confuse rich's speed estimate)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total: float | None = None
+        self.started = time.perf_counter()
+
+    def start(self, total: float | None) -> None:
+        self.count, self.total, self.started = 0, total, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.started, 1e-9)
+
+    def rate(self) -> float:
+        return self.count / self.elapsed()
+
+    def fields(self) -> dict[str, Any]:
+        eta = ""
+        if self.total is not None and self.count:
+            left = max(self.total - self.count, 0) / self.rate()
+            eta = time.strftime("%H:%M:%S", time.gmtime(left)) if left < 86400 else ">1 day"
+        speed = f"{self.rate():.1f} it/s" if self.count else ""
+        return {"completed": self.count, "total": self.total, "eta": eta, "speed": speed}
 
 
 def to_floats(metrics: dict[str, Any]) -> dict[str, float]:

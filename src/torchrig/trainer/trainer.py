@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import io
 import math
 import os
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from torchrig.collections import apply_to_tensors
 from torchrig.rig import Rig
 from torchrig.trainer import loops
 from torchrig.trainer.callbacks import Callback
@@ -289,12 +291,14 @@ class Trainer:
     def _launch(self, body: Callable[..., Any], *args: Any) -> Any:
         spawned = bool(getattr(self.rig.strategy, "needs_launch", False))
         out = self.rig.launch(_worker, self, body, spawned, *args)
-        if spawned and isinstance(out, dict):  # results came back from rank 0 of new processes
+        if spawned and isinstance(out, bytes):  # rank 0 of the started processes sent its results
+            back = torch.load(io.BytesIO(out), weights_only=True)
             module = args[1] if body.__name__ == "run_eval_stage" else args[0]
-            if module is not None and out.get("weights") is not None:
-                module.load_state_dict(out["weights"])
-            self.fit_state.load_state_dict(out["fit_state"])
-            return out["result"]
+            module = module if module is not None else self.module
+            if module is not None and back.get("weights") is not None:
+                module.load_state_dict(back["weights"])
+            self.fit_state.load_state_dict(back["fit_state"])
+            return back["result"]
         return out
 
     def _require_module(self) -> TrainingModule:
@@ -347,9 +351,13 @@ def _worker(rig: Rig, trainer: Trainer, body: Callable[..., Any], spawned: bool,
     result = body(trainer, *args)
     if not spawned:
         return result
+    # The started processes end with this call, so tensors go back as bytes, not as shared memory.
     module = trainer.module
     weights = {k: v.detach().cpu() for k, v in module.state_dict().items()} if module is not None else None
-    return {"result": result, "weights": weights, "fit_state": trainer.fit_state.state_dict()}
+    buffer = io.BytesIO()
+    result = apply_to_tensors(result, lambda t: t.detach().cpu())
+    torch.save({"result": result, "weights": weights, "fit_state": trainer.fit_state.state_dict()}, buffer)
+    return buffer.getvalue()
 
 
 # -- argument checks ---------------------------------------------------------------------------

@@ -44,8 +44,11 @@ def reference_init() -> dict[str, torch.Tensor]:
     return Net().state_dict()
 
 
-def train(rig: torchrig.Rig, *, global_batch: int = 16, empty_init: bool = False) -> dict[str, torch.Tensor]:
-    """Train ``Net`` for a few steps; returns the full final state dict (on rank 0)."""
+def train(
+    rig: torchrig.Rig, *, global_batch: int = 16, empty_init: bool = False
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Train ``Net`` for a few steps; returns the full final state dict (on rank 0) and how many
+    parameter elements this rank holds."""
     rig.seed_everything(7)
     init = reference_init()
     with rig.init_module(empty_init=empty_init):
@@ -70,11 +73,12 @@ def train(rig: torchrig.Rig, *, global_batch: int = 16, empty_init: bool = False
             rig.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-    return rig.strategy.module_state_dict(model)
+    return rig.strategy.module_state_dict(model), local_numel(model)
 
 
 def local_numel(model: nn.Module) -> int:
-    return sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
+    """Parameter elements held by this rank (a shard's size under FSDP)."""
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
 
 
 def main() -> None:
@@ -86,10 +90,17 @@ def main() -> None:
     parser.add_argument("--empty-init", action="store_true")
     args = parser.parse_args()
     rig = torchrig.Rig(accelerator=args.accelerator, devices=args.devices, strategy=args.strategy)
-    state = train(rig, empty_init=args.empty_init)
+    state, local = train(rig, empty_init=args.empty_init)
     if rig.is_global_zero:
         torch.save(state, args.out)
-        info = {"world_size": rig.world_size, "strategy": type(rig.strategy).__name__, "keys": sorted(state)}
+        info = {
+            "world_size": rig.world_size,
+            "strategy": type(rig.strategy).__name__,
+            "precision": rig.precision.name,
+            "keys": sorted(state),
+            "local_numel": local,
+            "numel": sum(t.numel() for t in state.values()),
+        }
         Path(args.out + ".json").write_text(json.dumps(info))
     rig.barrier()
 

@@ -1,0 +1,168 @@
+"""Checkpoint save/load time: ``rig.save``/``rig.load`` vs plain ``torch.save``/``torch.load``.
+
+The same model + AdamW state (about ``--size-gb`` GB: weights plus two moments), in one run,
+contenders interleaved round by round; the table reports the median of ``--repeats`` rounds.
+
+* ``torch.save + fsync``: ``torch.save({"model": sd, "optimizer": osd}, f)``, then ``f.flush()``
+  and ``os.fsync`` (what a durable save costs). ``torch.save`` alone (no fsync) is shown too.
+* ``rig.save``: safetensors weights + ``torch.save`` of the rest, SHA-256 of every file, fsync of
+  every file and the directory, atomic rename.
+* ``torch.load + load_state_dict``: ``torch.load(weights_only=True)`` then the model's and the
+  optimizer's ``load_state_dict``; ``rig.load``: checksums verified, then the same objects filled.
+
+Files go to ``--dir`` (default: a temp dir under /tmp), removed at the end. Reads come from the
+page cache for both sides (the files were just written).
+
+    python benchmarks/checkpoint_io.py --size-gb 1 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import torchrig
+
+
+def build(size_gb: float, width: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Linear layers holding ``size_gb / 3`` GB of fp32 weights, and AdamW with its moments made."""
+    n_params = int(size_gb * 2**30 / 4 / 3)
+    layers = max(1, n_params // (width * width))
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.step()  # creates exp_avg / exp_avg_sq
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (CPU time of all threads: robust on a shared machine)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=1.0, help="model + optimizer state, in GB (default 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; the median is reported (default 3)")
+    parser.add_argument("--width", type=int, default=2048, help="width of the square Linear layers")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    rig = torchrig.Rig(accelerator="cpu")
+    model, optimizer = build(args.size_gb, args.width)
+    state_bytes = sum(p.nbytes for p in model.parameters()) * 3
+    root = Path(tempfile.mkdtemp(prefix="torchrig-ckpt-bench-", dir=args.dir))
+    times: dict[str, list[tuple[float, float]]] = {}
+    try:
+        for r in range(args.repeats):
+            for name, seconds in one_round(rig, model, optimizer, root, r):
+                times.setdefault(name, []).append(seconds)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report(times, state_bytes, args)
+    return 0
+
+
+def one_round(
+    rig: torchrig.Rig, model: nn.Module, optimizer: torch.optim.Optimizer, root: Path, r: int
+) -> list[tuple[str, tuple[float, float]]]:
+    plain, plain_nosync, ours = root / f"plain-{r}.pt", root / f"nosync-{r}.pt", root / f"rig-{r}"
+    out = []
+
+    def torch_save_fsync() -> None:
+        with open(plain, "wb") as f:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(root)
+
+    def torch_load() -> None:
+        sd = torch.load(plain, weights_only=True)
+        model.load_state_dict(sd["model"])
+        optimizer.load_state_dict(sd["optimizer"])
+
+    state = {"model": model, "optimizer": optimizer}
+    # Alternate which side goes first, so neither always meets a cold or a warm cache.
+    saves: list[tuple[str, Callable[[], object]]] = [
+        ("torch.save + fsync", torch_save_fsync),
+        ("rig.save", lambda: rig.save(ours, state, link=None)),
+    ]
+    for name, fn in saves if r % 2 == 0 else saves[::-1]:
+        out.append((f"save: {name}", timed(fn)))
+    out.append(("save: torch.save (no fsync)", timed(lambda: torch.save(state_dicts(model, optimizer), plain_nosync))))
+    loads: list[tuple[str, Callable[[], object]]] = [
+        ("torch.load + load_state_dict", torch_load),
+        ("rig.load (SHA-256 verified)", lambda: rig.load(ours, state)),
+        ("checkpoint.load(verify=False)", lambda: torchrig.checkpoint.load(rig, ours, state, verify=False)),
+    ]
+    for name, fn in loads if r % 2 == 0 else loads[::-1]:
+        out.append((f"load: {name}", timed(fn)))
+    for p in (plain, plain_nosync):
+        p.unlink()
+    shutil.rmtree(ours)
+    return out
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def report(times: dict[str, list[tuple[float, float]]], state_bytes: int, args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
+    cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
+    base = {"save": "save: torch.save + fsync", "load": "load: torch.load + load_state_dict"}
+    gib = state_bytes / 2**30
+    table = Table(title=f"checkpoint I/O, {gib:.2f} GiB model + AdamW state, median of {args.repeats}")
+    for col in ("operation", "wall s", "GiB/s", "wall vs torch", "CPU s", "CPU vs torch"):
+        table.add_column(col, justify="left" if col == "operation" else "right")
+    for name in times:
+        b = base[name.split(":")[0]]
+        table.add_row(
+            name,
+            f"{wall[name]:.3f}",
+            f"{gib / wall[name]:.2f}",
+            f"{wall[name] / wall[b]:.2f}x",
+            f"{cpu[name]:.3f}",
+            f"{cpu[name] / cpu[b]:.2f}x",
+        )
+    console = Console(width=120)
+    console.print(table)
+    rounds = {k: [round(w, 2) for w, _ in v] for k, v in times.items()}
+    console.print(f"wall seconds per round: {rounds}", highlight=False)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    console.print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load:.1f}; "
+        f"command: python {' '.join(sys.argv)}",
+        highlight=False,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

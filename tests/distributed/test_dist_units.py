@@ -1,0 +1,127 @@
+"""Strategy options, registration, environment detection and the errors for what cannot work."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+import torchrig
+from torchrig.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, detect_environment
+from torchrig.strategies.environment import first_slurm_host
+
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+                  "GROUP_RANK", "NODE_RANK", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_JOB_NAME")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in _LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_registry_holds_every_layout_with_its_start_method() -> None:
+    assert {"single", "ddp", "ddp_spawn", "ddp_notebook", "fsdp"} <= set(STRATEGY_REGISTRY.names())
+    assert STRATEGY_REGISTRY.get("ddp").start_method == "popen"
+    assert STRATEGY_REGISTRY.get("ddp_spawn").start_method == "spawn"
+    assert STRATEGY_REGISTRY.get("ddp_notebook").start_method == "fork"
+    assert STRATEGY_REGISTRY.get("fsdp").sharded is True
+    assert getattr(STRATEGY_REGISTRY.get("ddp"), "sharded", False) is False
+
+
+def test_keyword_options_reach_the_strategy() -> None:
+    s = DDPStrategy(find_unused_parameters=True, static_graph=True, process_group_backend="gloo",
+                    timeout=timedelta(seconds=42))
+    assert (s.find_unused_parameters, s.static_graph, s.timeout) == (True, True, timedelta(seconds=42))
+    assert repr(s) == "DDPStrategy(find_unused_parameters=True, static_graph=True)"
+    with pytest.raises(TypeError, match="must be a datetime.timedelta"):
+        DDPStrategy(timeout=30)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="start_method='thread' is not one of popen, spawn, fork"):
+        DDPStrategy(start_method="thread")
+
+
+def test_a_user_strategy_registers_itself_on_definition() -> None:
+    class MyDDP(DDPStrategy):
+        @classmethod
+        def register_strategies(cls, registry):  # type: ignore[no-untyped-def]
+            registry.register("my_ddp_test", cls, description="test", override=True, find_unused_parameters=True)
+
+    try:
+        built = STRATEGY_REGISTRY.get("my_ddp_test")
+        assert isinstance(built, MyDDP) and built.find_unused_parameters
+    finally:
+        STRATEGY_REGISTRY.remove("my_ddp_test")
+
+
+def test_auto_picks_ddp_for_several_devices_and_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert type(torchrig.resolve(accelerator="cpu", devices=2).strategy) is DDPStrategy
+    assert torchrig.resolve(accelerator="cpu").strategy.world_size == 1
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    plan = torchrig.resolve(accelerator="cpu")
+    assert type(plan.strategy) is DDPStrategy and plan.strategy.world_size == 4
+    assert plan.strategy.global_rank == 3
+
+
+def test_backend_comes_from_pytorch_map_and_is_overridable() -> None:
+    strategy = torchrig.resolve(accelerator="cpu", devices=2, strategy="ddp").strategy
+    assert strategy.backend() == "gloo"
+    custom = torchrig.resolve(accelerator="cpu", devices=2, strategy=DDPStrategy(process_group_backend="mpi"))
+    assert custom.strategy.backend() == "mpi"
+
+
+def test_a_device_without_a_backend_is_a_clear_error() -> None:
+    strategy = DDPStrategy()
+    strategy.parallel_devices = [torch.device("meta")] * 2
+    with pytest.raises(ValueError, match=r"needs a torch.distributed backend for 'meta' devices, but PyTorch has "
+                                         r"none registered .*cpu -> gloo.*process_group_backend="):
+        strategy.backend()
+
+
+def test_fsdp_where_it_cannot_run_says_what_to_use() -> None:
+    strategy = FSDPStrategy()
+    strategy.parallel_devices = [torch.device("mps")]
+    with pytest.raises(ValueError, match="strategy='fsdp' does not run on mps.*Use strategy='ddp'"):
+        strategy.backend()
+    cpu = torchrig.resolve(accelerator="cpu", devices=2, strategy=FSDPStrategy(cpu_offload=True)).strategy
+    with pytest.raises(ValueError, match=r"cpu_offload=True\) .* already on the CPU; drop cpu_offload"):
+        cpu._shard_kwargs()
+
+
+def test_fsdp_wrap_policy_is_classes_or_a_function() -> None:
+    by_class = FSDPStrategy(auto_wrap_policy={nn.Linear}).auto_wrap_policy
+    assert by_class is not None and by_class(nn.Linear(1, 1)) and not by_class(nn.ReLU())
+    by_fn = FSDPStrategy(auto_wrap_policy=lambda m: isinstance(m, nn.ReLU)).auto_wrap_policy
+    assert by_fn is not None and by_fn(nn.ReLU())
+    with pytest.raises(TypeError, match="must hold nn.Module subclasses"):
+        FSDPStrategy(auto_wrap_policy={int})
+    with pytest.raises(TypeError, match="must be a set of layer classes"):
+        FSDPStrategy(auto_wrap_policy="Linear")  # type: ignore[arg-type]
+
+
+def test_spawn_strategies_wait_for_launch() -> None:
+    rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp_spawn")
+    assert rig.strategy.needs_launch and rig.world_size == 2 and rig.global_rank == 0
+    with pytest.raises(RuntimeError, match=r"starts its processes in rig.launch\(fn\)"):
+        rig.strategy.setup_environment()
+
+
+def test_environment_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert detect_environment().kind == "none"
+    for k, v in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "9",
+                 "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    env = detect_environment()
+    assert (env.kind, env.global_rank, env.local_rank, env.node_rank, env.world_size) == ("torchrun", 3, 1, 1, 4)
+    # a process that torchrun started on the CPU computes on the CPU whatever devices= said
+    strategy = torchrig.resolve(accelerator="cpu").strategy
+    assert strategy.root_device == torch.device("cpu") and strategy.world_size == 4
+
+
+def test_first_slurm_host() -> None:
+    assert first_slurm_host("node[03-05,9],gpu1") == "node03"
+    assert first_slurm_host("gpu7") == "gpu7"
+    assert first_slurm_host("a1,b2") == "a1"

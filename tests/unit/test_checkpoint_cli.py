@@ -1,0 +1,63 @@
+"""``torchrig checkpoint inspect`` and ``torchrig checkpoint consolidate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+import torchrig
+from torchrig.cli import main
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 3)
+        self.out = nn.Linear(3, 6, bias=False)
+        self.out.weight = self.emb.weight
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    rig = torchrig.Rig(accelerator="cpu")
+    model = rig.prepare(Tied())
+    optimizer = rig.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    return rig.save(tmp_path / "step-12", {"model": model, "optimizer": optimizer, "step": 12, "epoch": 3})
+
+
+@pytest.mark.timeout(10)
+def test_inspect_prints_contents_and_verifies(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["checkpoint", "inspect", str(saved.parent / "last")]) == 0
+    out = capsys.readouterr().out
+    for text in ("step-12", "world size", "│ 12", "│ 3 ", "torch " + torch.__version__, "model.safetensors", "ok"):
+        assert text in out, text
+    assert "18" in out  # parameters: the tied 6x3 matrix, once
+    assert "torch.optim.sgd.SGD" in out
+
+    data = bytearray((saved / "state.pt").read_bytes())
+    data[-40] ^= 1
+    (saved / "state.pt").write_bytes(bytes(data))
+    assert main(["checkpoint", "inspect", str(saved)]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(10)
+def test_consolidate_writes_one_self_contained_file(saved: Path, tmp_path: Path) -> None:
+    out = tmp_path / "export" / "model.safetensors"
+    assert main(["checkpoint", "consolidate", str(saved), str(out)]) == 0
+    tensors = safetensors.torch.load_file(str(out))
+    assert set(tensors) == {"emb.weight", "out.weight"}  # tied weights get their own copy here
+    fresh = Tied()
+    fresh.load_state_dict(tensors)
+    assert torch.equal(fresh.out.weight, tensors["emb.weight"])
+
+
+@pytest.mark.timeout(10)
+def test_errors_are_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 1
+    assert "no checkpoint at" in capsys.readouterr().err
+    assert main(["checkpoint"]) == 2

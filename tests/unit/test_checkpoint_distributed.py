@@ -1,0 +1,151 @@
+"""Checkpoints across process layouts: 2 DDP processes -> 1 process -> 2 DDP processes, and FSDP
+sharded (each rank writes its shards) -> ``consolidate`` into one safetensors file.
+
+The 2-process parts run this file as a script under torchrun-style environment variables
+(gloo, CPU). Run by hand: ``python tests/unit/test_checkpoint_distributed.py PHASE DIR`` with
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+import torchrig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def build(rig: torchrig.Rig) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = rig.prepare(Net())
+    return model, rig.prepare(torch.optim.Adam(model.parameters(), lr=0.01))
+
+
+def step(rig: torchrig.Rig, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    g = torch.Generator().manual_seed(100 + rig.global_rank)  # each rank its own data
+    x = torch.randn(4, 6, generator=g)
+    rig.backward(model(x).square().mean())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def flat(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Weights and Adam moments under stable names, for bitwise comparison."""
+    out = {f"w.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    names = dict(enumerate(n for n, _ in model.module.named_parameters()))
+    for i, s in optimizer.state_dict()["state"].items():
+        out[f"m.{names[i]}"] = s["exp_avg"].clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# -- the worker phases ------------------------------------------------------------------------
+def ddp_save(folder: Path) -> None:
+    rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp")
+    model, optimizer = build(rig)
+    for _ in range(2):
+        step(rig, model, optimizer)
+    rig.save(folder / "ddp", {"model": model, "optimizer": optimizer, "step": 2})
+    if rig.is_global_zero:
+        safetensors.torch.save_file(flat(model, optimizer), str(folder / "ddp-ref.safetensors"))
+
+
+def ddp_load_then_fsdp(folder: Path) -> None:
+    rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp")
+    model, optimizer = build(rig)
+    left = rig.load(folder / "single", {"model": model, "optimizer": optimizer})
+    assert left == {"step": 3}, left
+    assert_same(flat(model, optimizer), safetensors.torch.load_file(str(folder / "single-ref.safetensors")))
+    (folder / f"ok-ddp-{rig.global_rank}").touch()
+
+    fsdp = torchrig.Rig(accelerator="cpu", devices=2, strategy="fsdp")
+    model, optimizer = build(fsdp)
+    step(fsdp, model, optimizer)
+    fsdp.save(folder / "fsdp", {"model": model, "optimizer": optimizer, "step": 1})
+    full = fsdp.strategy.module_state_dict(model)
+    other, other_opt = build(fsdp)
+    fsdp.load(folder / "fsdp", {"model": other, "optimizer": other_opt})
+    step(fsdp, model, optimizer)  # the same next step from the saved and the loaded state
+    step(fsdp, other, other_opt)
+    after, other_after = fsdp.strategy.module_state_dict(model), fsdp.strategy.module_state_dict(other)
+    if fsdp.is_global_zero:
+        safetensors.torch.save_file({k: v.contiguous() for k, v in full.items()}, str(folder / "fsdp-ref.safetensors"))
+        assert_same(after, other_after)
+    fsdp.barrier()
+    (folder / f"ok-fsdp-{fsdp.global_rank}").touch()
+
+
+# -- the test ---------------------------------------------------------------------------------
+def launch(phase: str, folder: Path) -> None:
+    from torchrig.strategies.environment import find_free_port
+
+    port = str(find_free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+        for var in [v for v in env if v.startswith("TORCHRIG_")]:
+            del env[var]
+        cmd = [sys.executable, __file__, phase, str(folder)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} of {phase} failed:\n{out[-3000:]}"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_ddp_two_to_one_and_back_and_fsdp_sharded(tmp_path: Path) -> None:
+    from torchrig.checkpoint import consolidate, describe
+
+    launch("ddp-save", tmp_path)
+    assert describe(tmp_path / "ddp")["world_size"] == 2
+    rig = torchrig.Rig(accelerator="cpu")
+    model, optimizer = build(rig)
+    assert rig.load(tmp_path / "ddp", {"model": model, "optimizer": optimizer}) == {"step": 2}
+    assert_same(flat(model, optimizer), safetensors.torch.load_file(str(tmp_path / "ddp-ref.safetensors")))
+    step(rig, model, optimizer)
+    rig.save(tmp_path / "single", {"model": model, "optimizer": optimizer, "step": 3})
+    safetensors.torch.save_file(flat(model, optimizer), str(tmp_path / "single-ref.safetensors"))
+
+    launch("ddp-load-fsdp", tmp_path)
+    assert {p.name for p in tmp_path.glob("ok-*")} == {"ok-ddp-0", "ok-ddp-1", "ok-fsdp-0", "ok-fsdp-1"}
+    info = describe(tmp_path / "fsdp")
+    assert info["sharded"] and info["world_size"] == 2
+    assert all(ok for _, _, ok in info["verified"])
+    assert any(name.endswith(".distcp") for name, _, _ in info["verified"])
+    out = consolidate(tmp_path / "fsdp", tmp_path / "model.safetensors")
+    got, want = (
+        safetensors.torch.load_file(str(out)),
+        safetensors.torch.load_file(str(tmp_path / "fsdp-ref.safetensors")),
+    )
+    assert_same(got, want)
+
+
+if __name__ == "__main__":
+    phases = {"ddp-save": ddp_save, "ddp-load-fsdp": ddp_load_then_fsdp}
+    phases[sys.argv[1]](Path(sys.argv[2]))

@@ -1,0 +1,147 @@
+"""Every precision on the CPU: it trains, it is what was asked, and never silently fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchrig
+from torchrig import precision as precision_mod
+from torchrig.precision import Precision, auto_precision, normalize_precision, supported_precisions
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _train(precision: str, steps: int = 40) -> tuple[float, torchrig.Rig, torch.nn.Module]:
+    torchrig.seed_everything(0)
+    x = torch.randn(64, 8)
+    y = x @ torch.randn(8, 1) + 0.1 * torch.randn(64, 1)
+    rig = torchrig.Rig(accelerator="cpu", devices=1, precision=precision)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model, optimizer = rig.prepare(model, torch.optim.Adam(model.parameters(), lr=0.02))
+    for _ in range(steps):
+        out = model(x)
+        loss = F.mse_loss(out, y.to(out.dtype))
+        rig.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        out = model(x)
+        final = F.mse_loss(out.double(), y.double()).item()
+    return final, rig, model
+
+
+@pytest.mark.parametrize("name", ["16-mixed", "bf16-mixed"])
+def test_mixed_precisions_train_to_a_loss_close_to_fp32(name: str) -> None:
+    fp32, _, _ = _train("32-true")
+    mixed, rig, model = _train(name)
+    assert rig.precision.name == name
+    assert mixed < 0.5 * _initial_loss()  # it learned
+    assert mixed == pytest.approx(fp32, rel=0.25, abs=0.02)
+    assert model.module[0].weight.dtype == torch.float32  # mixed keeps fp32 master weights
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("64-true", torch.float64), ("bf16-true", torch.bfloat16)])
+def test_true_precisions_hold_parameters_in_their_dtype_and_train(name: str, dtype: torch.dtype) -> None:
+    final, _, model = _train(name)
+    assert all(p.dtype == dtype for p in model.parameters())
+    assert final < 0.5 * _initial_loss()
+
+
+def test_16_true_converts_parameters_and_inputs_to_fp16() -> None:
+    rig = torchrig.Rig(accelerator="cpu", precision="16-true")
+    model = rig.prepare(torch.nn.Linear(4, 2))
+    out = model(torch.randn(3, 4))  # an fp32 input is cast to fp16 for the fp16 weights
+    assert model.weight.dtype == torch.float16
+    assert out.dtype == torch.float32  # and the output comes back in fp32 for the loss
+
+
+def test_mixed_precision_forward_autocasts_and_returns_fp32() -> None:
+    rig = torchrig.Rig(accelerator="cpu", precision="bf16-mixed")
+    seen: list[torch.dtype] = []
+    model = torch.nn.Linear(4, 2)
+    model.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    out = rig.prepare(model)(torch.randn(3, 4))
+    assert seen == [torch.bfloat16]  # computed under autocast
+    assert out.dtype == torch.float32
+    with rig.autocast():
+        assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.bfloat16
+
+
+def _initial_loss() -> float:
+    torchrig.seed_everything(0)
+    x = torch.randn(64, 8)
+    y = x @ torch.randn(8, 1) + 0.1 * torch.randn(64, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    with torch.no_grad():
+        return F.mse_loss(model(x), y).item()
+
+
+def test_grad_scaler_skips_a_step_with_an_inf_gradient_and_lowers_the_scale() -> None:
+    rig = torchrig.Rig(accelerator="cpu", precision="16-mixed")
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = rig.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = rig.precision.scaler
+    assert isinstance(scaler, torch.amp.GradScaler)
+    scale_before = scaler.get_scale()
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.full((2, 4), 0.01)  # small enough that the scaled fp16 gradients stay finite
+    rig.backward(model(x).mean())
+    assert torch.isfinite(model.weight.grad).all()
+    model.weight.grad[0, 0] = float("inf")
+    optimizer.step()
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)  # the step was skipped
+    assert scaler.get_scale() < scale_before
+    # the next, finite step goes through
+    optimizer.zero_grad()
+    rig.backward(model(x).mean())
+    optimizer.step()
+    assert not torch.equal(model.weight, before[0])
+    assert scaler.get_scale() == scale_before / 2
+
+
+def test_aliases_map_to_canonical_names() -> None:
+    assert [normalize_precision(p) for p in (32, "16", "bf16", 64)] == ["32-true", "16-mixed", "bf16-mixed", "64-true"]
+
+
+def test_unknown_precision_lists_choices_and_suggests() -> None:
+    with pytest.raises(ValueError, match=r"unknown precision='bf16-mix'.*Did you mean 'bf16-mixed'"):
+        torchrig.Rig(accelerator="cpu", precision="bf16-mix")
+    with pytest.raises(TypeError, match="must be a string such as 'bf16-mixed'"):
+        Precision(name=1.5, device_type="cpu")  # type: ignore[arg-type]
+
+
+def test_unsupported_precision_errors_with_what_the_device_supports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(precision_mod, "supported_precisions", lambda device_type: ["32-true", "64-true"])
+    with pytest.raises(ValueError, match=r"precision='16-mixed' is not supported on cpu; cpu supports: 32-true, 64-true"):
+        torchrig.Rig(accelerator="cpu", precision="16-mixed")
+
+
+def test_a_device_without_autocast_has_no_mixed_precision() -> None:
+    # meta has no autocast: asking for mixed precision there must fail, not run in fp32.
+    assert "16-mixed" not in supported_precisions("meta") and "32-true" in supported_precisions("meta")
+    with pytest.raises(ValueError, match="not supported on meta; meta supports: 32-true"):
+        Precision(name="bf16-mixed", device_type="meta")
+
+
+def test_every_precision_is_supported_on_cpu() -> None:
+    assert set(supported_precisions("cpu")) == set(torchrig.PRECISIONS)
+
+
+def test_auto_picks_bf16_mixed_where_supported_else_32_true(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert auto_precision("cpu") == "32-true"
+    assert torchrig.Rig(accelerator="cpu", precision="auto").precision.name == "32-true"
+    monkeypatch.setattr(precision_mod, "supported_precisions", lambda t: ["32-true", "bf16-mixed"])
+    assert auto_precision("cuda") == "bf16-mixed"
+    monkeypatch.setattr(precision_mod, "supported_precisions", lambda t: ["32-true", "16-mixed"])
+    assert auto_precision("cuda") == "32-true"
+
+
+def test_16_mixed_rejects_a_closure() -> None:
+    rig = torchrig.Rig(accelerator="cpu", precision="16-mixed")
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = rig.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="cannot step with a closure"):
+        optimizer.step(lambda: model(torch.ones(1, 2)).sum())
