@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,10 @@ import torch
 
 #: A contender: called with a number of steps, runs them and returns the seconds they took.
 Runner = Callable[[int], float]
+
+#: The clock every contender should time itself with: this process's CPU time. On one thread it
+#: equals wall time on an idle machine; on a shared one it leaves out the time others ran.
+clock = time.process_time
 
 
 @dataclass
@@ -46,14 +51,19 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 
 
 def run_interleaved(runners: dict[str, Runner | str], *, steps: int, repeats: int, warmup: int) -> list[Result]:
-    """Time every runner ``repeats`` times, interleaved; a string instead of a runner says why it is missing."""
+    """Time every runner ``repeats`` times, interleaved; a string instead of a runner says why it is missing.
+
+    Runners time themselves with :data:`clock`.
+    """
     results = {name: Result(name, missing=r if isinstance(r, str) else None) for name, r in runners.items()}
     live = {name: r for name, r in runners.items() if not isinstance(r, str)}
     for run in live.values():
         run(warmup)
-    for _ in range(repeats):
-        for name, run in live.items():
-            results[name].seconds.append(run(steps))
+    order = list(live)
+    for i in range(repeats):
+        # Rotate who goes first, so no contender always runs right after the same neighbour.
+        for name in order[i % len(order) :] + order[: i % len(order)]:
+            results[name].seconds.append(live[name](steps))
     return list(results.values())
 
 

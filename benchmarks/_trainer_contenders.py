@@ -1,7 +1,8 @@
 """Trainer contenders for ``overhead.py``: torchrig's Trainer and Lightning's, on the same loop.
 
 Each runner builds a fresh Trainer outside the clock and times the whole ``fit()`` call
-(set-up, every step and epoch, the final logger flush and checkpoint), for ``steps`` optimizer
+(set-up, every step and epoch, the final logger flush and checkpoint) with ``_common.clock``
+(this process's CPU time, so time spent waiting for the disk is not counted), for ``steps`` optimizer
 steps over the workload's loader. The module computes what the hand-written loop computes and
 logs the loss every step (``log_every_n_steps=1``). Progress bars draw to a discarded
 terminal, so their real rendering cost is paid without filling the benchmark's output.
@@ -10,18 +11,17 @@ terminal, so their real rendering cost is paid without filling the benchmark's o
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-Runner = Any  # Callable[[int], float], as in _common
+from _common import Runner, clock
 
 
 @contextlib.contextmanager
@@ -38,12 +38,17 @@ def torchrig_trainer(w: Any) -> Runner:
     return _torchrig(w, lean=False)
 
 
+def torchrig_trainer_no_ckpt(w: Any) -> Runner:
+    """Our Trainer with progress bar and CSV logging every step, checkpointing off."""
+    return _torchrig(w, lean=False, checkpointing=False)
+
+
 def torchrig_trainer_lean(w: Any) -> Runner:
     """Our Trainer with progress bar, logger and checkpointing off."""
     return _torchrig(w, lean=True)
 
 
-def _torchrig(w: Any, *, lean: bool) -> Runner:
+def _torchrig(w: Any, *, lean: bool, checkpointing: bool = True) -> Runner:
     from rich.console import Console
 
     from torchrig.trainer.module import TrainingModule
@@ -73,12 +78,13 @@ def _torchrig(w: Any, *, lean: bool) -> Runner:
                 extra: dict[str, Any] = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False)
             else:  # the default bar, drawing to a terminal whose output is thrown away
                 extra = dict(callbacks=[ProgressBar(console=Console(file=devnull, force_terminal=True))])
+                extra["enable_checkpointing"] = checkpointing
             trainer = Trainer(
                 accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1, default_root_dir=root, **extra
             )
-            start = time.perf_counter()
+            start = clock()
             trainer.fit(module, loader)
-            return time.perf_counter() - start
+            return clock() - start
 
     return run
 
@@ -95,6 +101,9 @@ def lightning_trainer_lean(w: Any) -> Runner:
 
 def _lightning(w: Any, *, lean: bool) -> Runner:
     import lightning.pytorch as pl
+
+    for name in ("lightning.pytorch", "lightning.fabric"):  # "GPU available: False" and tips, per fit
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -128,9 +137,9 @@ def _lightning(w: Any, *, lean: bool) -> Runner:
                 warnings.catch_warnings(),
             ):
                 warnings.simplefilter("ignore")  # "num_workers is low" and similar advice
-                start = time.perf_counter()
+                start = clock()
                 trainer.fit(module, loader)
-                return time.perf_counter() - start
+                return clock() - start
 
     return run
 
@@ -138,6 +147,7 @@ def _lightning(w: Any, *, lean: bool) -> Runner:
 #: name -> contender, in the order they appear in the table.
 TRAINER_CONTENDERS = {
     "torchrig Trainer": torchrig_trainer,
+    "torchrig Trainer no ckpt": torchrig_trainer_no_ckpt,
     "torchrig Trainer lean": torchrig_trainer_lean,
     "Lightning Trainer": lightning_trainer,
     "Lightning Trainer lean": lightning_trainer_lean,

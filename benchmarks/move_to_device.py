@@ -13,7 +13,6 @@ on every batch; on a GPU the copies themselves are added equally for everyone. L
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Runner, base_parser, environment_line, run_interleaved, table  # noqa: E402
+from _common import Runner, base_parser, clock, environment_line, run_interleaved, table
 
 
 def nested_batch(n_tensors: int = 64) -> dict[str, Any]:
@@ -41,10 +40,10 @@ def nested_batch(n_tensors: int = 64) -> dict[str, Any]:
 
 def _timed(fn: Callable[[Any, torch.device], Any], batch: Any, device: torch.device) -> Runner:
     def run(steps: int) -> float:
-        start = time.process_time()
+        start = clock()
         for _ in range(steps):
             fn(batch, device)
-        return time.process_time() - start
+        return clock() - start
 
     return run
 
@@ -93,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     results = run_interleaved(runners, steps=args.steps, repeats=args.repeats, warmup=args.steps // 10)
     print(environment_line(f"cpu -> {device}"))
     title = f"Moving a dict of 64 nested tensors, median of {args.repeats} interleaved repeats (lower is better)"
-    table(title, [(f"64 tensors, cpu -> {device}", results, args.steps)], unit="µs/batch", scale=1e6, markdown=args.markdown)
+    table(
+        title,
+        [(f"64 tensors, cpu -> {device}", results, args.steps)],
+        unit="µs/batch",
+        scale=1e6,
+        markdown=args.markdown,
+    )
     return 0
 
 

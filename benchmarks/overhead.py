@@ -17,7 +17,6 @@ and returning the seconds they took, then add it to :data:`CONTENDERS`.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Runner, base_parser, environment_line, run_interleaved, table  # noqa: E402
+from _common import Runner, base_parser, clock, environment_line, run_interleaved, table
+from _trainer_contenders import TRAINER_CONTENDERS
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,11 @@ LARGE = Workload("large MLP 256-1024-1024-10, batch 128", features=256, hidden=1
 
 def _timed_loop(w: Workload, loader: Any, one_step: Callable[[Any, Any], None]) -> Runner:
     def run(steps: int) -> float:
-        start = time.process_time()
+        start = clock()
         for _ in range(max(1, steps // w.batches)):
             for x, y in loader:
                 one_step(x, y)
-        return time.process_time() - start
+        return clock() - start
 
     return run
 
@@ -154,9 +154,9 @@ CONTENDERS: dict[str, Callable[[Workload], Runner]] = {
 }
 
 
-def build(w: Workload) -> dict[str, Runner | str]:
+def build(w: Workload, contenders: dict[str, Callable[[Workload], Runner]] | None = None) -> dict[str, Runner | str]:
     runners: dict[str, Runner | str] = {}
-    for name, contender in CONTENDERS.items():
+    for name, contender in (CONTENDERS if contenders is None else contenders).items():
         try:
             runners[name] = contender(w)
         except ImportError:
@@ -167,16 +167,25 @@ def build(w: Workload) -> dict[str, Runner | str]:
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the steps per repeat")
+    parser.add_argument("--suite", choices=("loops", "trainers", "all"), default="all", help="which table(s) to time")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = []
-    for w in (SMALL, LARGE):
-        steps = max(w.batches, int(w.steps * args.scale) // w.batches * w.batches)
-        results = run_interleaved(build(w), steps=steps, repeats=args.repeats, warmup=w.batches)
-        rows.append((w.name, results, steps))
+    suites = {
+        "loops": ("Training step", CONTENDERS),
+        # Trainers: the whole fit() per step (set-up, hooks, logging, checkpoints), see _trainer_contenders.
+        "trainers": ("Trainer.fit, per step", {"hand-written": hand_written, **TRAINER_CONTENDERS}),
+    }
     print(environment_line("cpu"))
-    title = f"Training step, median of {args.repeats} interleaved repeats (lower is better)"
-    table(title, rows, unit="µs/step", scale=1e6, markdown=args.markdown)
+    for key, (label, contenders) in suites.items():
+        if args.suite not in (key, "all"):
+            continue
+        rows = []
+        for w in (SMALL, LARGE):
+            steps = max(w.batches, int(w.steps * args.scale) // w.batches * w.batches)
+            results = run_interleaved(build(w, contenders), steps=steps, repeats=args.repeats, warmup=w.batches)
+            rows.append((w.name, results, steps))
+        title = f"{label}, median of {args.repeats} interleaved repeats (lower is better)"
+        table(title, rows, unit="µs/step", scale=1e6, markdown=args.markdown)
     return 0
 
 

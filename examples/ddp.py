@@ -77,7 +77,9 @@ def main() -> None:
                 pred, target = rig.gather_for_metrics((model(x).argmax(dim=1), y))
                 correct += int((pred == target).sum())
                 seen += target.numel()
-        rig.print(f"epoch {epoch}: train loss {mean_loss.item():.4f}  val accuracy {correct / seen:.3f} ({seen} samples)")
+        rig.print(
+            f"epoch {epoch}: train loss {mean_loss.item():.4f}  val accuracy {correct / seen:.3f} ({seen} samples)"
+        )
 
 
 if __name__ == "__main__":

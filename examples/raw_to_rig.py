@@ -10,8 +10,10 @@ Run it::
     python examples/raw_to_rig.py            # trains both, prints both losses
     python examples/raw_to_rig.py --diff     # prints the difference between the two loops
 
-Under ``torchrun --nproc-per-node 2`` (or ``torchrig run --devices 2``) the Rig loop runs on 2
-processes with no change; the hand-written one would need a sampler, DDP and a process group.
+Under ``torchrig run --devices 2 examples/raw_to_rig.py`` (or ``torchrun --nproc-per-node 2``)
+the Rig loop runs data-parallel on 2 processes with no change (each process reads its own half
+of the data and the gradients are averaged); the hand-written one would need a sampler, DDP and a process group for that, and here
+simply trains the whole thing in each process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import inspect
+import os
 import sys
 import time
 
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     middle = time.perf_counter()
     rig = train_rig(dataset, args.epochs)
     end = time.perf_counter()
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every process runs main(); one reports
+        return 0
     print(f"hand-written loop: final loss {raw:.4f} in {middle - start:.2f}s")
     print(f"Rig loop:          final loss {rig:.4f} in {end - middle:.2f}s")
     # Same model, data and seed; only the shuffling order differs (Rig's loader draws its order

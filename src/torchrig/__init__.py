@@ -9,13 +9,14 @@ from torchrig.accelerators import (
     TorchDeviceAccelerator,
     XLAAccelerator,
 )
+from torchrig.checkpoint import CheckpointError
 from torchrig.collections import move_to_device
 from torchrig.devices import current_device_index, device_index, set_device_index
 from torchrig.diagnostics import DeviceMismatchError
 from torchrig.precision import PRECISIONS, Precision
 from torchrig.resolve import Plan, resolve
 from torchrig.rig import Rig, seed_everything
-from torchrig.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy, Strategy
+from torchrig.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from torchrig.trainer import (
     Callback,
     DataModule,
@@ -39,10 +40,13 @@ __all__ = [
     "CPUAccelerator",
     "CSVLogger",
     "Callback",
+    "CheckpointError",
+    "DDPStrategy",
     "DataModule",
     "DeviceMismatchError",
     "DeviceStatsMonitor",
     "EarlyStopping",
+    "FSDPStrategy",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "Plan",

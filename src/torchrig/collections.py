@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -106,11 +105,17 @@ def _rebuild_mapping(data: Any, items: dict[Any, Any]) -> Any:
         return out
 
 
-@functools.cache
+_TAKES_NON_BLOCKING: dict[type, bool] = {}
+
+
 def _takes_non_blocking(cls: type) -> bool:
     """Whether ``cls.to`` accepts ``non_blocking=`` (cached per type: ``inspect`` is slow)."""
-    try:
-        params = inspect.signature(cls.to).parameters
-    except (TypeError, ValueError, AttributeError):
-        return False
-    return "non_blocking" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    known = _TAKES_NON_BLOCKING.get(cls)
+    if known is None:
+        try:
+            params = inspect.signature(cls.to).parameters  # type: ignore[attr-defined]
+            known = "non_blocking" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError, AttributeError):
+            known = False
+        _TAKES_NON_BLOCKING[cls] = known
+    return known

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import itertools
+import os
 import random
 import weakref
 from collections.abc import Callable, Iterator
@@ -156,9 +156,13 @@ class Rig:
         out: list[Any] = list(objs)
         modules = [i for i, o in enumerate(objs) if isinstance(o, nn.Module)]
         optimizers = [i for i, o in enumerate(objs) if isinstance(o, torch.optim.Optimizer)]
+        replaced: dict[int, nn.Parameter] = {}
         for i in modules:
+            before = list(objs[i].parameters())
             out[i] = self._setup_module(objs[i])
+            replaced.update(_replaced_params(before, list(objs[i].parameters())))
         for i in optimizers:
+            _rebind_params(objs[i], replaced)
             out[i] = self._setup_optimizer(objs[i])
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
@@ -189,6 +193,12 @@ class Rig:
         return RigModule(forward_module=forward_module, module=module, precision=self.precision, device=self.device)
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if any(p.is_meta for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "the optimizer holds parameters on the meta device (created under "
+                "rig.init_module(empty_init=True)) whose module was not prepared with it; prepare "
+                "them together, rig.prepare(model, optimizer), or create the optimizer after prepare"
+            )
         optimizer = self.strategy.setup_optimizer(optimizer)
         for state in optimizer.state.values():  # state created before prepare follows the params
             for k, v in state.items():
@@ -229,6 +239,14 @@ class Rig:
 
         Returns the total norm before clipping (a tensor on the device, no host sync) when
         clipping by norm, else None.
+
+        Example:
+            >>> import torch, torchrig
+            >>> rig = torchrig.Rig(accelerator="cpu")
+            >>> model = torch.nn.Linear(2, 1)
+            >>> model, optimizer = rig.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            >>> rig.backward(model(torch.ones(1, 2)).sum())
+            >>> norm = rig.clip_gradients(model, optimizer, max_norm=1.0)
         """
         if (max_norm is None) == (clip_val is None):
             raise ValueError(
@@ -270,7 +288,16 @@ class Rig:
         """Create a module's parameters directly on the device, in the precision's dtype.
 
         With ``empty_init=True`` parameters are created on ``meta`` (no memory, no init time)
-        and materialised by ``prepare`` (on each rank's shard only under FSDP).
+        and materialised by ``prepare`` (on each rank's shard only under FSDP) by calling each
+        submodule's ``reset_parameters()``.
+
+        Example:
+            >>> import torch, torchrig
+            >>> rig = torchrig.Rig(accelerator="cpu", precision="bf16-true")
+            >>> with rig.init_module():
+            ...     model = torch.nn.Linear(2, 2)
+            >>> model.weight.dtype
+            torch.bfloat16
         """
         with self.strategy.module_init_context(empty_init), self.precision.init_context():
             yield
@@ -344,6 +371,23 @@ def _run_launched(rig: Rig, fn: Callable[..., Any] | None, *args: Any, **kwargs:
         rig.strategy.setup_environment()
         rig._launched = True
     return None if fn is None else fn(rig, *args, **kwargs)
+
+
+def _replaced_params(before: list[nn.Parameter], after: list[nn.Parameter]) -> dict[int, nn.Parameter]:
+    """Parameters that setting up a module replaced by new objects (materialising ``meta``)."""
+    if len(before) != len(after):
+        return {}
+    return {id(b): a for b, a in zip(before, after, strict=True) if b is not a}
+
+
+def _rebind_params(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter]) -> None:
+    # An optimizer built over the old objects would otherwise step tensors nobody uses.
+    if not replaced:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for old in [p for p in optimizer.state if id(p) in replaced]:
+        optimizer.state[replaced[id(old)]] = optimizer.state.pop(old)
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

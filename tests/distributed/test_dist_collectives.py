@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_helpers import SCRIPTS, explain, run
 from torch.utils.data import DataLoader
 
 import torchrig
-from dist_helpers import SCRIPTS, explain, run
 
 
 @pytest.mark.distributed

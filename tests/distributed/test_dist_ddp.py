@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dist_helpers import SCRIPTS, assert_matches_reference, explain, result, run
 
 pytestmark = pytest.mark.distributed
@@ -16,8 +15,9 @@ pytestmark = pytest.mark.distributed
 def test_ddp_two_processes_train_like_one(tmp_path: Path) -> None:
     # `python train.py` with strategy="ddp": this process becomes rank 0 and starts rank 1.
     out = tmp_path / "w.pt"
-    proc = run([str(SCRIPTS / "train.py"), "--out", str(out), "--accelerator", "cpu", "--devices", "2",
-                "--strategy", "ddp"])
+    proc = run(
+        [str(SCRIPTS / "train.py"), "--out", str(out), "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp"]
+    )
     assert proc.returncode == 0, explain(proc)
     weights, info = result(out)
     assert info["world_size"] == 2 and info["strategy"] == "DDPStrategy"

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dist_helpers import SCRIPTS, assert_matches_reference, env, explain, result
+
 from torchrig.strategies.environment import find_free_port
 
 pytestmark = pytest.mark.distributed
@@ -20,16 +20,28 @@ def test_two_torchrun_nodes_train_to_completion(tmp_path: Path) -> None:
     out = tmp_path / "w.pt"
     procs = []
     for node_rank in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-               f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
-               str(SCRIPTS / "train.py"), "--out", str(out), "--accelerator", "cpu"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(SCRIPTS / "train.py"),
+            "--out",
+            str(out),
+            "--accelerator",
+            "cpu",
+        ]
         procs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         outputs = [p.communicate(timeout=130) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for p, (stdout, stderr) in zip(procs, outputs):
+    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, explain(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     weights, info = result(out)
     # strategy="auto" under torchrun with WORLD_SIZE=2 picks ddp

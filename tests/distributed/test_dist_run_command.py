@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 import pytest
-
 from dist_helpers import SCRIPTS, assert_matches_reference, explain, result, run
+
 from torchrig.commands.run import script_env, torchrun_args
 
 
@@ -15,8 +15,24 @@ from torchrig.commands.run import script_env, torchrun_args
 @pytest.mark.timeout(120)
 def test_torchrig_run_forwards_options_and_trains(tmp_path: Path) -> None:
     out = tmp_path / "w.pt"
-    proc = run(["-m", "torchrig.cli", "run", "--devices", "2", "--accelerator", "cpu", "--strategy", "ddp",
-                "--precision", "32", str(SCRIPTS / "train.py"), "--out", str(out)])
+    proc = run(
+        [
+            "-m",
+            "torchrig.cli",
+            "run",
+            "--devices",
+            "2",
+            "--accelerator",
+            "cpu",
+            "--strategy",
+            "ddp",
+            "--precision",
+            "32",
+            str(SCRIPTS / "train.py"),
+            "--out",
+            str(out),
+        ]
+    )
     assert proc.returncode == 0, explain(proc)
     weights, info = result(out)
     # the script passes nothing to Rig(): everything came through TORCHRIG_* variables
@@ -33,8 +49,18 @@ def test_torchrig_run_reports_the_failing_rank() -> None:
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    base = {"devices": "2", "num_nodes": 1, "node_rank": 0, "master_addr": None, "master_port": None,
-            "accelerator": None, "strategy": None, "precision": None, "script": "s.py", "script_args": ["--x", "1"]}
+    base = {
+        "devices": "2",
+        "num_nodes": 1,
+        "node_rank": 0,
+        "master_addr": None,
+        "master_port": None,
+        "accelerator": None,
+        "strategy": None,
+        "precision": None,
+        "script": "s.py",
+        "script_args": ["--x", "1"],
+    }
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -45,7 +71,11 @@ def test_single_node_uses_a_standalone_rendezvous() -> None:
 def test_multi_node_passes_address_port_and_rank() -> None:
     args = _args(num_nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
     assert torchrun_args(args, 4)[:5] == [
-        "--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29500"
+        "--nproc-per-node=4",
+        "--nnodes=2",
+        "--node-rank=1",
+        "--master-addr=10.0.0.1",
+        "--master-port=29500",
     ]
 
 
@@ -58,5 +88,10 @@ def test_multi_node_without_an_address_is_an_error() -> None:
 
 def test_options_reach_the_script_as_torchrig_variables() -> None:
     env = script_env(_args(accelerator="cpu", strategy="fsdp", precision="bf16-mixed", num_nodes=2))
-    assert env == {"TORCHRIG_DEVICES": "2", "TORCHRIG_NUM_NODES": "2", "TORCHRIG_ACCELERATOR": "cpu",
-                   "TORCHRIG_STRATEGY": "fsdp", "TORCHRIG_PRECISION": "bf16-mixed"}
+    assert env == {
+        "TORCHRIG_DEVICES": "2",
+        "TORCHRIG_NUM_NODES": "2",
+        "TORCHRIG_ACCELERATOR": "cpu",
+        "TORCHRIG_STRATEGY": "fsdp",
+        "TORCHRIG_PRECISION": "bf16-mixed",
+    }

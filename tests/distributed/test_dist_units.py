@@ -12,8 +12,19 @@ import torchrig
 from torchrig.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, detect_environment
 from torchrig.strategies.environment import first_slurm_host
 
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
-                  "GROUP_RANK", "NODE_RANK", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_JOB_NAME")
+_LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_JOB_NAME",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -32,11 +43,12 @@ def test_registry_holds_every_layout_with_its_start_method() -> None:
 
 
 def test_keyword_options_reach_the_strategy() -> None:
-    s = DDPStrategy(find_unused_parameters=True, static_graph=True, process_group_backend="gloo",
-                    timeout=timedelta(seconds=42))
+    s = DDPStrategy(
+        find_unused_parameters=True, static_graph=True, process_group_backend="gloo", timeout=timedelta(seconds=42)
+    )
     assert (s.find_unused_parameters, s.static_graph, s.timeout) == (True, True, timedelta(seconds=42))
     assert repr(s) == "DDPStrategy(find_unused_parameters=True, static_graph=True)"
-    with pytest.raises(TypeError, match="must be a datetime.timedelta"):
+    with pytest.raises(TypeError, match=r"must be a datetime\.timedelta"):
         DDPStrategy(timeout=30)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="start_method='thread' is not one of popen, spawn, fork"):
         DDPStrategy(start_method="thread")
@@ -76,15 +88,18 @@ def test_backend_comes_from_pytorch_map_and_is_overridable() -> None:
 def test_a_device_without_a_backend_is_a_clear_error() -> None:
     strategy = DDPStrategy()
     strategy.parallel_devices = [torch.device("meta")] * 2
-    with pytest.raises(ValueError, match=r"needs a torch.distributed backend for 'meta' devices, but PyTorch has "
-                                         r"none registered .*cpu -> gloo.*process_group_backend="):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a torch.distributed backend for 'meta' devices, but PyTorch has "
+        r"none registered .*cpu -> gloo.*process_group_backend=",
+    ):
         strategy.backend()
 
 
 def test_fsdp_where_it_cannot_run_says_what_to_use() -> None:
     strategy = FSDPStrategy()
     strategy.parallel_devices = [torch.device("mps")]
-    with pytest.raises(ValueError, match="strategy='fsdp' does not run on mps.*Use strategy='ddp'"):
+    with pytest.raises(ValueError, match=r"strategy='fsdp' does not run on mps.*Use strategy='ddp'"):
         strategy.backend()
     cpu = torchrig.resolve(accelerator="cpu", devices=2, strategy=FSDPStrategy(cpu_offload=True)).strategy
     with pytest.raises(ValueError, match=r"cpu_offload=True\) .* already on the CPU; drop cpu_offload"):
@@ -96,7 +111,7 @@ def test_fsdp_wrap_policy_is_classes_or_a_function() -> None:
     assert by_class is not None and by_class(nn.Linear(1, 1)) and not by_class(nn.ReLU())
     by_fn = FSDPStrategy(auto_wrap_policy=lambda m: isinstance(m, nn.ReLU)).auto_wrap_policy
     assert by_fn is not None and by_fn(nn.ReLU())
-    with pytest.raises(TypeError, match="must hold nn.Module subclasses"):
+    with pytest.raises(TypeError, match=r"must hold nn\.Module subclasses"):
         FSDPStrategy(auto_wrap_policy={int})
     with pytest.raises(TypeError, match="must be a set of layer classes"):
         FSDPStrategy(auto_wrap_policy="Linear")  # type: ignore[arg-type]
@@ -111,8 +126,15 @@ def test_spawn_strategies_wait_for_launch() -> None:
 
 def test_environment_detection(monkeypatch: pytest.MonkeyPatch) -> None:
     assert detect_environment().kind == "none"
-    for k, v in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "9",
-                 "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+    for k, v in {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "9",
+        "GROUP_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }.items():
         monkeypatch.setenv(k, v)
     env = detect_environment()
     assert (env.kind, env.global_rank, env.local_rank, env.node_rank, env.world_size) == ("torchrun", 3, 1, 1, 4)
@@ -125,3 +147,27 @@ def test_first_slurm_host() -> None:
     assert first_slurm_host("node[03-05,9],gpu1") == "node03"
     assert first_slurm_host("gpu7") == "gpu7"
     assert first_slurm_host("a1,b2") == "a1"
+
+
+def test_ddp_spawn_with_an_unpicklable_function_says_why_before_starting() -> None:
+    rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp_spawn")
+    with pytest.raises(TypeError, match=r"cannot be pickled .* Define it at module level"):
+        rig.launch(lambda rig: None)
+
+
+def test_materialising_shards_warns_about_modules_without_reset_parameters() -> None:
+    from torchrig.strategies.fsdp import _reset_parameters
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+    model = nn.Sequential(nn.Linear(2, 2), Scale())
+    with pytest.warns(UserWarning, match=r"no reset_parameters\(\).*1 \(Scale\)"):
+        _reset_parameters(model)
+    attention = nn.MultiheadAttention(4, 2)  # initialised by its _reset_parameters
+    with torch.no_grad():
+        attention.in_proj_weight.zero_()
+    _reset_parameters(attention)
+    assert attention.in_proj_weight.abs().sum() > 0

@@ -14,11 +14,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import custom_accelerator  # noqa: E402,F401  (defining the class registers "xpu_sim")
+import custom_accelerator  # noqa: F401  (defining the class registers "xpu_sim")
 
-from torchrig.cli import CLI  # noqa: E402
-from torchrig.trainer.datamodule import DataModule  # noqa: E402
-from torchrig.trainer.module import TrainingModule  # noqa: E402
+from torchrig.cli import CLI
+from torchrig.trainer.datamodule import DataModule
+from torchrig.trainer.module import TrainingModule
 
 
 class Regressor(TrainingModule):

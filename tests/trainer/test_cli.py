@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import PYTHON, python_env
+from conftest import PYTHON, python_env
 from torchrig.trainer.cli import CLI
 from torchrig.trainer.loggers import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_script import Line, Regressor  # noqa: E402
+from cli_script import Line, Regressor
 
 SCRIPT = Path(__file__).resolve().parent / "cli_script.py"
 
@@ -54,6 +54,9 @@ def test_fit_with_a_yaml_config_then_test_from_the_checkpoint(tmp_path: Path) ->
     # The custom accelerator from examples/custom_accelerator.py, chosen by name on the command line.
     fit = summary(run_script("fit", "--config", str(config), "--trainer.accelerator=xpu_sim", cwd=tmp_path))
     assert fit["accelerator"] == "xpu_sim"
+    saved = yaml.safe_load((tmp_path / "run" / "torchrig_logs" / "version_0" / "config.yaml").read_text())
+    assert saved["trainer"]["accelerator"] == "xpu_sim" and saved["trainer"]["max_epochs"] == 3
+    assert saved["model"] == {"hidden": 8, "lr": 0.05}
     last = tmp_path / "run" / "checkpoints" / "last"
     assert last.exists()
     rows = read_metrics(tmp_path / "run" / "torchrig_logs" / "version_0")
@@ -132,5 +135,7 @@ def test_validate_and_predict_subcommands_run_in_process(tmp_path: Path) -> None
 
 
 def test_cli_wants_classes() -> None:
-    with pytest.raises(TypeError, match=r"CLI\(module_class=...\) takes a class, got an instance of Regressor; pass the class"):
+    with pytest.raises(
+        TypeError, match=r"CLI\(module_class=...\) takes a class, got an instance of Regressor; pass the class"
+    ):
         CLI(Regressor(), Line, args=["fit"])

@@ -176,6 +176,8 @@ def test_tensorboard_writes_event_files_readable_by_tensorboard(tmp_path: Path) 
 
 
 def test_tensorboard_missing_says_how_to_install(tmp_path: Path) -> None:
-    with mock.patch.dict("sys.modules", {"torch.utils.tensorboard": None}):
-        with pytest.raises(ImportError, match=r"pip install torchrig\[tensorboard\]"):
-            TensorBoardLogger(root_dir=tmp_path)
+    with (
+        mock.patch.dict("sys.modules", {"torch.utils.tensorboard": None}),
+        pytest.raises(ImportError, match=r"pip install torchrig\[tensorboard\]"),
+    ):
+        TensorBoardLogger(root_dir=tmp_path)

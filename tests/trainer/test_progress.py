@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -130,3 +131,53 @@ def test_to_floats_keeps_order_and_skips_non_scalars() -> None:
 def test_bad_refresh_interval() -> None:
     with pytest.raises(ValueError, match=r"refresh_interval=-1 must be a number of seconds >= 0"):
         ProgressBar(refresh_interval=-1)
+
+
+@pytest.mark.timeout(60)
+def test_with_the_trainer_plain_lines_and_the_default_csv_logger(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torchrig.trainer.loggers import read_metrics
+    from torchrig.trainer.module import TrainingModule
+    from torchrig.trainer.trainer import Trainer
+
+    class Line(TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]), prog_bar=True)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    x = torch.linspace(-1, 1, 16).unsqueeze(1)
+    data = TensorDataset(x, 3 * x - 1)
+    out = io.StringIO()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        callbacks=[ProgressBar(console=Console(file=out, width=200))],
+    )
+    trainer.fit(Line(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 4, lines  # validation then epoch, twice; the sanity check prints nothing
+    assert re.fullmatch(r"Validation: 2 batches in \d+\.\d\ds, val_loss=[\d.]+", lines[0])
+    assert re.fullmatch(r"Epoch 1/2: 4 steps in .* it/s\), loss=[\d.]+ train_loss=[\d.]+ val_loss=[\d.]+", lines[1])
+    assert lines[3].startswith("Epoch 2/2: 4 steps")
+
+    rows = read_metrics(tmp_path / "torchrig_logs" / "version_0")
+    assert [(r["step"], r["epoch"]) for r in rows if "train_loss" in r] == [(s, (s - 1) // 4) for s in range(1, 9)]
+    assert [(r["step"], r["epoch"]) for r in rows if "val_loss" in r] == [(4, 0), (8, 1)]
+    shown = float(lines[2].rsplit("val_loss=", 1)[1])  # the bar shows what the logger wrote
+    assert shown == pytest.approx([r["val_loss"] for r in rows if "val_loss" in r][1], rel=1e-3)

@@ -161,3 +161,20 @@ def test_keyboard_interrupt_ends_the_run_gracefully(tmp_path: Path, capsys: pyte
     module = Regressor()
     got = quiet_trainer(tmp_path).validate(module, loader(8), ckpt_path=tmp_path / "checkpoints" / "last")
     assert got[0]["val_loss"] > 0
+
+
+@pytest.mark.timeout(20)
+def test_default_checkpoint_is_rate_limited_and_saves_the_end(tmp_path: Path) -> None:
+    trainer = quiet_trainer(tmp_path, max_epochs=3, enable_checkpointing=True)
+    trainer.fit(Regressor(), loader(8))  # 3 short epochs: well under a minute
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["epoch=3-step=6", "last"]  # only the state at the end of the fit
+    every = torchrig.ModelCheckpoint(dirpath=tmp_path / "every", save_top_k=-1, train_time_interval=0)
+    quiet_trainer(tmp_path, max_epochs=3, enable_checkpointing=True, callbacks=[every]).fit(Regressor(), loader(8))
+    assert sorted(p.name for p in (tmp_path / "every").iterdir()) == [
+        "epoch=0-step=2",
+        "epoch=1-step=4",
+        "epoch=2-step=6",
+    ]
+    with pytest.raises(ValueError, match=r"train_time_interval=-1\) must be seconds >= 0 or None"):
+        torchrig.ModelCheckpoint(train_time_interval=-1)

@@ -1,4 +1,4 @@
-"""The Trainer on 2 CPU processes (strategy="ddp", gloo): fit stays in sync, predict gathers in order."""
+"""The Trainer on 2 CPU processes: fit stays in sync, predict gathers in order, early stopping stops all."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ module = Regressor()
 trainer = torchrig.Trainer(
     accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, seed=3, enable_progress_bar=False,
     logger=False, enable_checkpointing=False, default_root_dir=sys.argv[1],
-    callbacks=[torchrig.EarlyStopping(monitor="val_loss", patience=100)],
+    callbacks=[torchrig.EarlyStopping(monitor="val_metric", strict=False)],
 )
 trainer.fit(module, loader(16, batch_size=2, shuffle=True), loader(8, batch_size=2))
 flat = torch.cat([p.detach().flatten() for p in module.parameters()])
 gathered = trainer.rig.all_gather(flat)  # every rank must hold the same weights
+val_loss, steps = float(trainer.callback_metrics["val_loss"]), trainer.global_step
 x = torch.arange(11.0).unsqueeze(1).repeat(1, 4)  # 11 samples: the sampler pads one
 
 
@@ -36,20 +37,31 @@ class Echo(Regressor):
 
 
 preds = trainer.predict(Echo(), DataLoader(TensorDataset(x), batch_size=2))
+
+
+class NanOnRankOne(Regressor):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_metric", float("nan") if self.trainer.rig.global_rank == 1 else 1.0)
+
+
+trainer.max_epochs = 5
+trainer.fit(NanOnRankOne(), loader(8, batch_size=2), loader(4, batch_size=2))
+stopped = trainer.rig.all_gather(torch.tensor(trainer.current_epoch)).tolist()
 if trainer.is_global_zero:
     print(json.dumps({
         "world": trainer.rig.world_size,
-        "steps": trainer.global_step,
+        "steps": steps,
         "same_weights": bool(torch.equal(gathered[0], gathered[1])),
-        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "val_loss": val_loss,
         "preds": torch.cat(preds).tolist(),
+        "stopped_at": stopped,
     }))
 """
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.distributed
-def test_fit_and_predict_on_two_processes(tmp_path: Path) -> None:
+def test_fit_predict_and_early_stopping_on_two_processes(tmp_path: Path) -> None:
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
@@ -66,6 +78,7 @@ def test_fit_and_predict_on_two_processes(tmp_path: Path) -> None:
     assert result["steps"] == 2 * 4  # 16 samples, 2 per rank per step, 2 ranks: 4 steps an epoch
     assert result["same_weights"]
     assert result["preds"] == [float(i) for i in range(11)]  # every sample once, in order
+    assert result["stopped_at"] == [1, 1]  # rank 1 saw NaN: both ranks stopped after the first epoch
 
 
 SPAWN_SCRIPT = r"""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -182,3 +183,7 @@ def test_module_knows_its_trainer_and_device(tmp_path: Any) -> None:
     assert module.trainer is trainer
     assert module.device == torch.device("cpu")
     assert isinstance(trainer.rig, torchrig.Rig)
+    clone = copy.deepcopy(module)  # a copy leaves the Trainer behind
+    assert clone._trainer is None and all(
+        torch.equal(a, b) for a, b in zip(clone.parameters(), module.parameters(), strict=True)
+    )

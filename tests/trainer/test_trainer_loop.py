@@ -93,6 +93,7 @@ class Logs(Regressor):
         loss = torch.nn.functional.mse_loss(self(x), y)
         self.log("both", float(batch_idx), on_step=True, on_epoch=True, prog_bar=True)
         self.log("weighted", float(batch_idx), on_step=False, on_epoch=True, batch_size=batch_idx + 1)
+        self.log("hidden", 1.0, logger=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -108,7 +109,8 @@ def test_logged_values_step_epoch_and_weighted_means(tmp_path: Path) -> None:
     assert float(metrics["both_step"]) == 3.0 and float(metrics["both_epoch"]) == 1.5
     assert float(metrics["weighted"]) == pytest.approx((0 * 1 + 1 * 2 + 2 * 3 + 3 * 4) / 10)
     assert set(trainer.progress_bar_metrics) == {"both_step", "both_epoch", "val_a", "val_b"}
-    assert trainer.logged_metrics.keys() >= {"both_epoch", "weighted", "epoch"}
+    assert trainer.logged_metrics.keys() == {"both_epoch", "weighted", "epoch"}  # the epoch-end row
+    assert float(metrics["hidden_epoch"]) == 1.0 and "hidden_step" in metrics
 
 
 @pytest.mark.timeout(20)

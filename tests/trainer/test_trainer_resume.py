@@ -116,4 +116,7 @@ def test_validate_from_a_checkpoint_loads_the_weights(tmp_path: Path) -> None:
     got = quiet_trainer(tmp_path).validate(fresh, loader(8), ckpt_path=tmp_path / "checkpoints" / "last")
     assert got == expected
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), module.parameters(), strict=True))
-    assert isinstance(torchrig.Trainer, type)
+    best = trainer.validate(module, loader(8), ckpt_path="best")  # the newest is the best without monitor
+    assert best == expected
+    with pytest.raises(ValueError, match="ckpt_path='best' needs a ModelCheckpoint that has saved a checkpoint"):
+        quiet_trainer(tmp_path).validate(fresh, loader(8), ckpt_path="best")

@@ -223,3 +223,27 @@ def test_bad_keys_and_state(rig: torchrig.Rig, tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="save\\(\\) takes state as a dict"):
         rig.save(tmp_path / "ck", [1, 2])  # type: ignore[arg-type]
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.timeout(10)
+def test_map_location_and_reading_leaves_rng_alone(rig: torchrig.Rig, tmp_path: Path) -> None:
+    from torchrig.checkpoint import load
+
+    model = rig.prepare(nn.Linear(3, 2))
+    path = rig.save(tmp_path / "ck", {"model": model, "head": nn.Linear(2, 1)})
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    out = load(rig, path, map_location="meta")
+    assert out["model"]["weight"].device.type == "meta" and out["head"]["bias"].device.type == "meta"
+    assert not torch.equal(torch.rand(2), expected)  # not restored: nothing was resumed
+
+
+@pytest.mark.timeout(10)
+def test_consolidate_prefixes_several_modules(rig: torchrig.Rig, tmp_path: Path) -> None:
+    from torchrig.checkpoint import consolidate
+
+    path = rig.save(tmp_path / "ck", {"generator": nn.Linear(2, 2), "critic": nn.Linear(2, 1), "step": 1})
+    tensors = safetensors.torch.load_file(str(consolidate(path, tmp_path / "all.safetensors")))
+    assert set(tensors) == {"generator.weight", "generator.bias", "critic.weight", "critic.bias"}
+    with pytest.raises(ValueError, match="holds no module weights to consolidate"):
+        consolidate(rig.save(tmp_path / "values", {"step": 1}), tmp_path / "x.safetensors")

@@ -136,6 +136,7 @@ def test_ddp_two_to_one_and_back_and_fsdp_sharded(tmp_path: Path) -> None:
     assert {p.name for p in tmp_path.glob("ok-*")} == {"ok-ddp-0", "ok-ddp-1", "ok-fsdp-0", "ok-fsdp-1"}
     info = describe(tmp_path / "fsdp")
     assert info["sharded"] and info["world_size"] == 2
+    assert info["parameters"] == sum(p.numel() for p in Net().parameters())
     assert all(ok for _, _, ok in info["verified"])
     assert any(name.endswith(".distcp") for name, _, _ in info["verified"])
     out = consolidate(tmp_path / "fsdp", tmp_path / "model.safetensors")

@@ -58,7 +58,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
-    meta["path"] = str(folder)
+    meta["path"] = str(folder.resolve())  # where a ``last`` link points
     meta["verified"] = verify_files(folder, meta)
     return meta
 

@@ -173,7 +173,25 @@ def save(
     keep_last: int | None = None,
     link: str | None = "last",
 ) -> Path:
-    """Save ``state`` atomically as the checkpoint directory ``path``; see :mod:`torchrig.checkpoint`."""
+    """Save ``state`` atomically as the checkpoint directory ``path``; see :mod:`torchrig.checkpoint`.
+
+    Every rank calls it; rank zero writes (under FSDP every rank writes its shards) and the
+    others wait for it, and an error on rank zero is raised on every rank.
+
+    Args:
+        rig: the :class:`~torchrig.Rig` of the run.
+        path: the checkpoint directory to create (or replace).
+        state: names to modules, optimizers, schedulers, prepared dataloaders, the precision or
+            a GradScaler (anything with ``state_dict``/``load_state_dict``), and plain values.
+        keep_last: keep only the newest ``keep_last`` checkpoints next to ``path``.
+        link: the symlink next to ``path`` pointed at it (``None``: no link).
+
+    Returns:
+        The checkpoint directory.
+
+    Example:
+        >>> # rig.save(f"ckpt/step-{step:06d}", {"model": model, "optimizer": opt, "step": step}, keep_last=3)
+    """
     if not isinstance(state, dict):
         raise TypeError(f"save() takes state as a dict such as {{'model': model, 'step': 3}}, got {type(state)}")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
@@ -213,7 +231,27 @@ def load(
     map_location: torch.device | str | None = None,
     verify: bool = True,
 ) -> dict[str, Any]:
-    """Load a checkpoint into the objects of ``state`` in place; returns what is left over."""
+    """Load a checkpoint into the objects of ``state`` in place; returns what is left over.
+
+    Every file is checked against its SHA-256 before anything is changed; RNG states are
+    restored when ``state`` is given (so training continues exactly), not when only reading.
+
+    Args:
+        rig: the :class:`~torchrig.Rig` of the run.
+        path: a checkpoint directory, or the ``last`` link.
+        state: the objects to fill (``None``: fill nothing, return everything).
+        strict: every key of ``state`` must be in the checkpoint and every module must match
+            exactly; with ``False`` what matches is loaded and the rest skipped.
+        map_location: the device for returned tensors (default ``rig.device``).
+        verify: check SHA-256 checksums (a size check is always made).
+
+    Returns:
+        Plain values (step, epoch, metrics) and entries not named in ``state``. Plain values
+        named in ``state`` are also updated there.
+
+    Example:
+        >>> # left = rig.load("ckpt/last", {"model": model, "optimizer": opt}); step = left["step"]
+    """
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
     if state is not None and not isinstance(state, dict):

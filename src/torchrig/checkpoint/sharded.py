@@ -9,8 +9,11 @@ SHA-256 of every file, rename.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,21 +112,14 @@ def save(rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None
     import torch.distributed.checkpoint as dcp
 
     from torchrig.checkpoint import core
-    from torchrig.checkpoint.files import (
-        FileSet,
-        apply_retention,
-        commit,
-        discard,
-        hash_existing,
-        temp_dir_for,
-        update_link,
-        write_meta,
-        write_torch,
-    )
+    from torchrig.checkpoint.files import discard, remove_stale_temps, temp_dir_for
 
     modules, optims, rest = split(state)
     shards = dcp_state(modules, optims)
     payload = core.collect(rig, rest)
+    if rig.is_global_zero:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(target.parent)
     tmp = Path(rig.broadcast(str(temp_dir_for(target)) if rig.is_global_zero else None))
     error: BaseException | None = None
     try:
@@ -133,25 +129,7 @@ def save(rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None
     failed = not rig.reduce_boolean_decision(error is None, all=True)
     if rig.is_global_zero and not failed:
         try:
-            core.check_weights_only(payload["blob"])
-            with FileSet(tmp) as files:
-                files.add(core.STATE_FILE, lambda p: write_torch(p, payload["blob"]))
-                table = files.finish()
-            names = [p.name for p in tmp.iterdir() if p.name != core.STATE_FILE]
-            table.update(hash_existing(tmp, names))
-            entries = dict(payload["entries"])
-            entries.update({k: {"kind": "module", "type": core._qualname(m), "dcp": True} for k, m in modules.items()})
-            entries.update(
-                {k: {"kind": "optimizer", "type": core._qualname(o), "dcp": True} for k, o in optims.items()}
-            )
-            meta = core.base_meta(rig, entries, payload["blob"]["values"])
-            meta.update(sharded=True, files=table, **_counts(tmp))
-            write_meta(tmp, meta)
-            commit(tmp, target)
-            if link:
-                update_link(target, link)
-            if keep_last is not None:
-                apply_retention(target, keep_last)
+            _finish(rig, tmp, target, payload, modules, optims, keep_last=keep_last, link=link)
         except BaseException as err:
             error = err
     if rig.is_global_zero and (failed or error is not None):
@@ -164,13 +142,59 @@ def save(rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None
     return target
 
 
-def _counts(folder: Path) -> dict[str, int]:
+def _finish(
+    rig: Any,
+    tmp: Path,
+    target: Path,
+    payload: dict[str, Any],
+    modules: dict[str, nn.Module],
+    optims: dict[str, Any],
+    *,
+    keep_last: int | None,
+    link: str | None,
+) -> None:
+    """Rank zero, once every shard is written: ``state.pt``, checksums, ``meta.json``, rename."""
+    from torchrig.checkpoint import core
+    from torchrig.checkpoint.files import (
+        FileSet,
+        apply_retention,
+        commit,
+        hash_existing,
+        update_link,
+        write_meta,
+        write_torch,
+    )
+
+    core.check_weights_only(payload["blob"])
+    with FileSet(tmp) as files:
+        files.add(core.STATE_FILE, functools.partial(write_torch, obj=payload["blob"]))
+        table = files.finish()
+    table.update(hash_existing(tmp, [p.name for p in tmp.iterdir() if p.name != core.STATE_FILE]))
+    entries = dict(payload["entries"])
+    entries.update({k: {"kind": "module", "type": core._qualname(m), "dcp": True} for k, m in modules.items()})
+    entries.update({k: {"kind": "optimizer", "type": core._qualname(o), "dcp": True} for k, o in optims.items()})
+    meta = core.base_meta(rig, entries, payload["blob"]["values"])
+    meta.update(sharded=True, files=table, **_counts(tmp, list(modules)))
+    write_meta(tmp, meta)
+    commit(tmp, target)
+    if link:
+        update_link(target, link)
+    if keep_last is not None:
+        apply_retention(target, keep_last)
+
+
+def _counts(folder: Path, module_keys: list[str]) -> dict[str, int]:
+    """Tensor and parameter counts of the modules' shards, from DCP's metadata (full shapes)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = FileSystemReader(str(folder)).read_metadata()
-    tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    return {"tensors": len(tensors), "parameters": sum(int(torch.Size(v.size).numel()) for v in tensors.values())}
+    md = FileSystemReader(str(folder)).read_metadata()  # the file this save just wrote
+    prefixes = tuple(f"{k}." for k in module_keys)
+    tensors = [
+        v for k, v in md.state_dict_metadata.items() if k.startswith(prefixes) and isinstance(v, TensorStorageMetadata)
+    ]
+    floating = [v for v in tensors if v.properties.dtype.is_floating_point]
+    return {"tensors": len(tensors), "parameters": sum(int(torch.Size(v.size).numel()) for v in floating)}
 
 
 def _safe_planner(*, keys: list[str] | None = None) -> Any:
@@ -198,6 +222,20 @@ def _safe_planner(*, keys: list[str] | None = None) -> Any:
                 super().set_up_planner(state_dict, metadata, is_coordinator)
 
     return SafeLoadPlanner(keys=keys)
+
+
+@contextlib.contextmanager
+def _refuse_code(folder: Path) -> Iterator[None]:
+    """DCP reports our planner's weights_only refusal wrapped per rank; say it plainly."""
+    try:
+        yield
+    except Exception as err:
+        if "Weights only load failed" not in str(err):
+            raise
+        raise CheckpointError(
+            f"refusing to load {folder}: a shard holds Python objects other than tensors and plain "
+            "containers, which could run code when unpickled; torchrig only loads weights_only data"
+        ) from None
 
 
 def load(
@@ -230,7 +268,8 @@ def load(
     shards = dcp_state(
         {k: m for k, m in modules.items() if k in entries}, {k: o for k, o in optims.items() if k in entries}
     )
-    dcp.load(shards, checkpoint_id=folder, planner=_safe_planner())
+    with _refuse_code(folder):
+        dcp.load(shards, checkpoint_id=folder, planner=_safe_planner())
     for k, m in modules.items():
         if k in shards:
             set_model_state_dict(m, shards[k])
@@ -279,5 +318,7 @@ def consolidate_dcp(folder: Path, meta: dict[str, Any]) -> dict[str, dict[str, t
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(str(folder)), planner=_safe_planner(keys=keys), no_dist=True)
+    with _refuse_code(folder):
+        shards = FileSystemReader(str(folder))
+        _load_state_dict(sd, storage_reader=shards, planner=_safe_planner(keys=keys), no_dist=True)
     return {k: {n: t for n, t in sd.get(k, {}).items() if isinstance(t, torch.Tensor)} for k in keys}

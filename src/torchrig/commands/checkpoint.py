@@ -77,7 +77,8 @@ def _print_tables(info: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    head = Table(title=f"checkpoint {info['path']}", show_header=False)
+    console.print(f"[bold]checkpoint[/] {info['path']}", soft_wrap=True, highlight=False)
+    head = Table(show_header=False)
     rows = [
         ("created", info.get("created")),
         ("layout", "sharded (torch.distributed.checkpoint)" if info.get("sharded") else "whole"),

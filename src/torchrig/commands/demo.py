@@ -6,7 +6,10 @@ import argparse
 import re
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchrig.demo.run import DemoResult
 
 DEFAULT_ROOT = "runs/demo"
 DEFAULT_EPOCHS = 10
@@ -32,12 +35,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--strategy", default="auto", help="auto, single, ddp, ddp_spawn, fsdp ...")
     p.add_argument(
-        "--precision", default="auto", help="auto (bf16-mixed where the device has bf16, else 32-true), 32-true, "
+        "--precision",
+        default="auto",
+        help="auto (bf16-mixed where the device has bf16, else 32-true), 32-true, "
         "bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true",
     )
     p.add_argument("--max-epochs", type=int, default=DEFAULT_EPOCHS, help=f"epochs to train (default {DEFAULT_EPOCHS})")
     p.add_argument(
-        "--resume", action="store_true",
+        "--resume",
+        action="store_true",
         help="continue the newest run under --root-dir from its last checkpoint (raise --max-epochs to train longer)",
     )
     p.add_argument("--root-dir", default=DEFAULT_ROOT, help=f"where runs are written (default {DEFAULT_ROOT})")
@@ -85,18 +91,25 @@ def _process_start() -> float:
     return time.perf_counter() - max(age, 0.0)
 
 
-def print_summary(result: Any) -> None:
+def _what_was_trained(result: DemoResult) -> str:
+    first, last, seconds = result.first_epoch, result.epochs, result.fit_seconds
+    if first is None:
+        return f"no epoch trained: the run already has {last}; raise --max-epochs to train more"
+    if first == 0:
+        return f"{last} epochs trained in {seconds:.1f} s"
+    epochs = f"epoch {last}" if first + 1 == last else f"epochs {first + 1}-{last}"
+    return f"resumed: {epochs} trained in {seconds:.1f} s"
+
+
+def print_summary(result: DemoResult) -> None:
     """The lines a newcomer looks for: where it ran, how well, how fast, and where the files are."""
     print()
-    print(f"device:        {result.device}")
+    layout = f"{result.processes} processes, {result.strategy}" if result.processes > 1 else "1 process"
+    print(f"device:        {result.device} ({layout})")
     print(f"precision:     {result.precision}")
-    print(f"test accuracy: {result.test_accuracy:.2%} (test loss {result.test_loss:.4f}, {result.test_images} held-out images)")
-    if result.first_epoch >= result.epochs:
-        trained = f"no epoch trained: the run already has {result.epochs}; raise --max-epochs to train more"
-    elif result.first_epoch:
-        trained = f"epochs {result.first_epoch + 1}-{result.epochs} trained in {result.fit_seconds:.1f} s"
-    else:
-        trained = f"{result.epochs} epochs trained in {result.fit_seconds:.1f} s"
+    held_out = f"test loss {result.test_loss:.4f}, {result.test_images} held-out images"
+    print(f"test accuracy: {result.test_accuracy:.2%} ({held_out})")
+    trained = _what_was_trained(result)
     print(f"time:          {result.total_seconds:.1f} s since the command started ({trained})")
     print(f"run directory: {result.run_dir}")
     print(f"  checkpoint:  {result.run_dir / 'checkpoints' / 'last'}")

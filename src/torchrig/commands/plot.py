@@ -13,7 +13,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="Draw loss and accuracy per epoch, training and validation, from RUN_DIR/metrics.csv "
         "(written by the Trainer's CSVLogger) into a PNG.",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with a metrics.csv (e.g. runs/demo/digits/version_0)")
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run directory with a metrics.csv (e.g. runs/demo/digits/version_0)"
+    )
     p.add_argument("-o", "--output", help="where to write the PNG (default: RUN_DIR/learning_curves.png)")
     p.set_defaults(handler=main)
 

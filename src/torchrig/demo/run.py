@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,25 +29,28 @@ class DemoResult:
 
     run_dir: Path
     device: str
+    processes: int
+    strategy: str
     precision: str
     test_accuracy: float
     test_loss: float
     test_images: int
-    first_epoch: int
+    first_epoch: int | None
     epochs: int
     fit_seconds: float
     total_seconds: float
     png: Path | None
 
 
-class _FitStart(Callback):
-    """Remembers the epoch a fit starts at (after a resumed checkpoint is loaded)."""
+class _FirstEpoch(Callback):
+    """Remembers the first epoch this fit trains (later than 0 when it resumed); None if none."""
 
     def __init__(self) -> None:
-        self.epoch = 0
+        self.epoch: int | None = None
 
-    def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
-        self.epoch = trainer.current_epoch
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        if self.epoch is None:
+            self.epoch = trainer.current_epoch
 
 
 def latest_run(root_dir: str | os.PathLike[str]) -> Path | None:
@@ -96,6 +101,33 @@ def device_description(device: torch.device) -> str:
     return f"{device} ({name})"
 
 
+def _announce(model: DigitsCNN, data: DigitsDataModule, run_dir: Path) -> None:
+    data.setup("fit")
+    splits = data.loaded()
+    print(
+        f"torchrig demo: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) "
+        f"learns {len(splits.train):,} handwritten digits, validates on {len(splits.val)}, "
+        f"tests on {len(splits.test)} held out; run directory {run_dir}"
+    )
+
+
+@contextlib.contextmanager
+def _cpu_threads(trainer: Trainer) -> Iterator[None]:
+    """One intra-op thread on the CPU unless the user chose (``OMP_NUM_THREADS``); restored after.
+
+    The model is tiny: splitting an 8x8 convolution across threads costs more than it saves,
+    and many times more when the cores are shared (measured on 2 busy cores: 26 ms a step on
+    one thread, 212 ms on two).
+    """
+    before = torch.get_num_threads()
+    if trainer.rig.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_demo(
     *,
     accelerator: Any = "auto",
@@ -111,6 +143,8 @@ def run_demo(
 ) -> DemoResult | None:
     """Train, validate each epoch, test, plot; returns the result on global rank zero (None elsewhere).
 
+    ``started`` is when the clock of ``total_seconds`` started (``time.perf_counter``; default now).
+
     Example:
         >>> # result = run_demo(max_epochs=2, root_dir="/tmp/demo"); result.test_accuracy
     """
@@ -123,46 +157,37 @@ def run_demo(
         precision=precision,
         max_epochs=max_epochs,
         default_root_dir=root,
-        logger=False,
+        logger=False,  # attached below, once every process agrees on the run directory
         enable_checkpointing=False,
         seed=seed,
     )
-    if trainer.rig.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # The model is tiny: splitting an 8x8 convolution across threads costs more than it
-        # saves, and on a busy machine it costs many times more (measured: 26 ms a step on
-        # one thread, 212 ms on two, with the two cores shared).
-        torch.set_num_threads(1)
     run_dir = _attach_run_dir(trainer, root, resume)
+    first_epoch = _FirstEpoch()
+    trainer.callbacks.insert(0, first_epoch)
     trainer.rig.seed_everything(seed)  # before the model exists: its initial weights come from the seed
     data, model = DigitsDataModule(), DigitsCNN()
     if trainer.is_global_zero:
-        data.setup("fit")
-        splits = data.loaded()
-        print(
-            f"torchrig demo: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) "
-            f"learns {len(splits.train):,} handwritten digits, validates on {len(splits.val)}, "
-            f"tests on {len(splits.test)} held out; run directory {run_dir}"
-        )
-    fit_start_epoch = _FitStart()
-    trainer.callbacks.insert(0, fit_start_epoch)
-    fit_start = time.perf_counter()
-    trainer.fit(model, datamodule=data, ckpt_path=(run_dir / CHECKPOINTS / "last") if resume else None)
-    fit_seconds = time.perf_counter() - fit_start
-    if trainer.interrupted:
-        return None
-    results = trainer.test(model, datamodule=data)
+        _announce(model, data, run_dir)
+    with _cpu_threads(trainer):
+        fit_start = time.perf_counter()
+        trainer.fit(model, datamodule=data, ckpt_path=(run_dir / CHECKPOINTS / "last") if resume else None)
+        fit_seconds = time.perf_counter() - fit_start
+        if trainer.interrupted:
+            return None
+        results = trainer.test(model, datamodule=data)
     if not trainer.is_global_zero:
         return None
     png = plot_learning_curves(run_dir) if plot else None
-    metrics = results[0]
     return DemoResult(
         run_dir=run_dir,
         device=device_description(trainer.rig.device),
+        processes=trainer.rig.world_size,
+        strategy=type(trainer.rig.strategy).__name__,
         precision=trainer.rig.precision.name,
-        test_accuracy=metrics["test_acc"],
-        test_loss=metrics["test_loss"],
+        test_accuracy=results[0]["test_acc"],
+        test_loss=results[0]["test_loss"],
         test_images=len(data.loaded().test),
-        first_epoch=fit_start_epoch.epoch,
+        first_epoch=first_epoch.epoch,
         epochs=trainer.current_epoch,
         fit_seconds=fit_seconds,
         total_seconds=time.perf_counter() - started,

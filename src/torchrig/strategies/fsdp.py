@@ -168,8 +168,10 @@ class FSDPStrategy(ParallelStrategy):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
-        return _no_gradient_sync(module) if enabled and hasattr(module, "set_requires_gradient_sync") else (
-            contextlib.nullcontext()
+        return (
+            _no_gradient_sync(module)
+            if enabled and hasattr(module, "set_requires_gradient_sync")
+            else (contextlib.nullcontext())
         )
 
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:

@@ -23,9 +23,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from torchrig.strategies.environment import ClusterEnvironment, find_free_port
@@ -89,13 +91,16 @@ class SubprocessLauncher:
     Args:
         num_processes: processes on this machine.
         num_nodes: machines in the run.
-        join_timeout: seconds to wait at exit for the other ranks before stopping them.
+        timeout: the process-group timeout; also how long to wait at exit for the other ranks.
     """
 
-    def __init__(self, *, num_processes: int, num_nodes: int, join_timeout: float) -> None:
+    def __init__(self, *, num_processes: int, num_nodes: int, timeout: timedelta) -> None:
         self.num_processes = num_processes
         self.num_nodes = num_nodes
-        self.join_timeout = join_timeout
+        self.timeout = timeout
+        self.join_timeout = timeout.total_seconds()
+        #: The rendezvous store this process hosts (single machine), for ``init_process_group``.
+        self.store: dist.TCPStore | None = None
         self.children: dict[int, subprocess.Popen[bytes]] = {}
         self._done = threading.Event()
         self._exit_codes: dict[int, int | None] = {}
@@ -103,8 +108,17 @@ class SubprocessLauncher:
     def start(self) -> ClusterEnvironment:
         """Start the other local ranks; returns this process's place in the run."""
         cmd = script_command()
-        addr, port, node_rank = _rendezvous(self.num_nodes)
         n, world = self.num_processes, self.num_processes * self.num_nodes
+        if self.num_nodes == 1 and "MASTER_PORT" not in os.environ:
+            # Open the rendezvous store on a port the OS picks *before* starting the children, so
+            # no other program can take the port in between (a probe-then-bind race).
+            addr, node_rank = os.environ.get("MASTER_ADDR", "127.0.0.1"), 0
+            self.store = dist.TCPStore(
+                addr, 0, world_size=world, is_master=True, timeout=self.timeout, wait_for_workers=False
+            )
+            port = self.store.port
+        else:
+            addr, port, node_rank = _rendezvous(self.num_nodes)
         for local_rank in range(1, n):
             env = dict(os.environ)
             env.update(
@@ -216,13 +230,19 @@ def _stderr(text: str) -> None:
         pass
 
 
+_previous_hook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
+
+
 def install_failure_report(rank: int, world_size: int, on_failure: Callable[[], None] | None = None) -> None:
     """Make an uncaught exception name the failing rank, stop local children, and tell torchrun.
 
     Under torchrun the error is also written to ``TORCHELASTIC_ERROR_FILE`` so torchrun's summary
     shows this rank's error instead of "To enable traceback see...".
     """
-    previous = sys.excepthook
+    global _previous_hook
+    if _previous_hook is None:  # a second Rig in the same process replaces, not stacks, the hook
+        _previous_hook = sys.excepthook
+    previous = _previous_hook
 
     def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if on_failure is not None:
@@ -289,6 +309,8 @@ def spawn(
     """
     if start_method == "fork":
         _check_fork_safe()
+    else:
+        _check_picklable(fn)
     addr, port, node_rank = _rendezvous(num_nodes)
     base = {"num_processes": num_processes, "num_nodes": num_nodes, "node_rank": node_rank, "addr": addr, "port": port}
     queue = mp.get_context(start_method).SimpleQueue()
@@ -296,6 +318,21 @@ def spawn(
         _spawn_worker, args=(fn, args, kwargs, base, queue), nprocs=num_processes, start_method=start_method
     )
     return None if queue.empty() else queue.get()
+
+
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    import pickle
+
+    target = getattr(fn, "args", (None, fn))[1] if hasattr(fn, "func") else fn  # Rig.launch's partial
+    try:
+        pickle.dumps(target)
+    except Exception as err:
+        name = getattr(target, "__qualname__", repr(target))
+        raise TypeError(
+            f"strategy='ddp_spawn' sends the function to new processes by pickling it, and {name} cannot be "
+            f"pickled ({err}). Define it at module level (not a lambda or a nested function), or use "
+            "strategy='ddp_notebook' (fork) or strategy='ddp' (re-runs the script)"
+        ) from err
 
 
 def _check_fork_safe() -> None:

@@ -141,21 +141,20 @@ class ParallelStrategy(Strategy):
             self._launcher = SubprocessLauncher(
                 num_processes=self.num_processes,
                 num_nodes=self.num_nodes,
-                join_timeout=self.timeout.total_seconds(),
+                timeout=self.timeout,
             )
             env = self._launcher.start()
         self._env = env
         watch_parent()
         launcher = self._launcher
         # On failure give the other ranks a moment to fail by themselves (so they report it), then stop them.
-        install_failure_report(env.global_rank, env.world_size, (lambda: launcher.kill(grace=2.0)) if launcher else None)
+        install_failure_report(
+            env.global_rank, env.world_size, (lambda: launcher.kill(grace=2.0)) if launcher else None
+        )
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
         if not dist.is_initialized():
-            init = "env://" if env.kind == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
-            dist.init_process_group(
-                backend, init_method=init, rank=env.global_rank, world_size=env.world_size, timeout=self.timeout
-            )
+            self._init_process_group(backend, env)
             self._owns_group = True
             atexit.register(self._destroy_group)
         elif dist.get_world_size() != env.world_size:
@@ -163,6 +162,17 @@ class ParallelStrategy(Strategy):
                 f"a process group of {dist.get_world_size()} processes already exists, but this run has "
                 f"{env.world_size}; destroy it first (torch.distributed.destroy_process_group())"
             )
+
+    def _init_process_group(self, backend: str, env: ClusterEnvironment) -> None:
+        rank, world = env.global_rank, env.world_size
+        store = self._launcher.store if self._launcher is not None else None
+        if store is not None:  # rank 0 hosts the store it opened before starting the others
+            # The same key prefix init_process_group gives the store it makes for the other ranks.
+            prefixed = dist.PrefixStore("default_pg", store)
+            dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=self.timeout)
+            return
+        init = "env://" if env.kind == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=self.timeout)
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Start the ``spawn``/``fork`` workers and run ``fn`` in each; else just call ``fn``."""

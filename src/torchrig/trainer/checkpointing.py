@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,10 @@ class ModelCheckpoint(Callback):
         every_n_epochs: save at the end of every this many epochs (default 1).
         save_last: keep the newest checkpoint too, pointed to by the ``last`` link in ``dirpath``
             (what ``Trainer.fit(ckpt_path="last")`` resumes from).
+        train_time_interval: save at most once every this many seconds of training (a save that
+            falls due sooner is skipped); the state at the end of the fit is then saved too. The
+            Trainer's default checkpoint uses 60 s, so runs with short epochs do not spend their
+            time writing checkpoints.
 
     Example:
         >>> cb = ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=2, save_last=True)
@@ -52,6 +57,7 @@ class ModelCheckpoint(Callback):
         every_n_train_steps: int | None = None,
         every_n_epochs: int | None = None,
         save_last: bool = False,
+        train_time_interval: float | None = None,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}); use 'min' or 'max'")
@@ -65,6 +71,14 @@ class ModelCheckpoint(Callback):
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"ModelCheckpoint({name}={value!r}) must be a positive int or None")
+        if train_time_interval is not None and (
+            isinstance(train_time_interval, bool)
+            or not isinstance(train_time_interval, (int, float))
+            or train_time_interval < 0
+        ):
+            raise ValueError(
+                f"ModelCheckpoint(train_time_interval={train_time_interval!r}) must be seconds >= 0 or None"
+            )
         if every_n_train_steps is not None and every_n_epochs is not None:
             raise ValueError("ModelCheckpoint takes every_n_train_steps or every_n_epochs, not both")
         self.dirpath = Path(dirpath) if dirpath is not None else None
@@ -72,6 +86,9 @@ class ModelCheckpoint(Callback):
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
         self.every_n_train_steps, self.every_n_epochs = every_n_train_steps, every_n_epochs or 1
         self.save_last = save_last
+        self.train_time_interval = train_time_interval
+        self._last_save_time = 0.0
+        self._skipped = False
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
         self.best_model_score: float | None = None
@@ -83,21 +100,38 @@ class ModelCheckpoint(Callback):
         return self.dirpath if self.dirpath is not None else trainer.default_root_dir / "checkpoints"
 
     # -- when ------------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        self._last_save_time, self._skipped = time.monotonic(), False
+
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         n, step = self.every_n_train_steps, trainer.global_step
         if n is not None and step % n == 0 and step != self._last_step_saved:
-            self.save(trainer)
+            self._due(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if self.every_n_train_steps is None and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._due(trainer)
+
+    def on_fit_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        if self._skipped and trainer.global_step != self._last_step_saved:
             self.save(trainer)
+
+    def _due(self, trainer: Trainer) -> None:
+        interval = self.train_time_interval
+        if interval is not None:
+            # Every rank must agree (a save is collective): rank zero's clock decides.
+            soon = time.monotonic() - self._last_save_time < interval
+            if trainer.rig.broadcast(soon):
+                self._skipped = True
+                return
+        self.save(trainer)
 
     # -- what ------------------------------------------------------------------------------------
     def save(self, trainer: Trainer) -> Path | None:
         """Save now (on every rank); returns the path, or None when the score is not in the top k."""
-        self._last_step_saved = trainer.global_step
+        self._last_step_saved, self._last_save_time, self._skipped = trainer.global_step, time.monotonic(), False
         score = self._score(trainer)
         path = self.resolve_dirpath(trainer) / self.format_name(trainer)
         ranked = self.monitor is not None and self.save_top_k != 0

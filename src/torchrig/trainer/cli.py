@@ -5,18 +5,23 @@ Every ``__init__`` argument of the Trainer, the module and the datamodule become
 (``--trainer.max_epochs``, ``--model.lr``, ``--data.batch_size``), typed and documented from
 the signature and docstring by jsonargparse; ``--config file.yaml`` reads them from a file,
 ``--print_config`` prints the resolved configuration, and ``--ckpt_path`` starts from a
-checkpoint. Wrong arguments exit with jsonargparse's message and status 2.
+checkpoint. Wrong arguments exit with jsonargparse's message and status 2. ``fit`` saves the
+resolved configuration as ``config.yaml`` in the logger's run directory.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 
-__all__ = ["CLI", "SUBCOMMANDS"]
+__all__ = ["CLI", "CONFIG_FILE", "SUBCOMMANDS"]
+
+#: The file ``fit`` writes the resolved configuration to, in the logger's run directory.
+CONFIG_FILE = "config.yaml"
 
 SUBCOMMANDS: dict[str, str] = {
     "fit": "Train the model (validating as configured), optionally resuming from --ckpt_path.",
@@ -96,6 +101,8 @@ class CLI:
         self.model: Any = self.config_init["model"]
         self.datamodule: Any = self.config_init.get("data")
         if self.subcommand is not None:
+            if self.subcommand == "fit":
+                self._save_config(parser, section)
             self.result = self._run(self.subcommand, section.get("ckpt_path"))
 
     # -- the parser ------------------------------------------------------------------------
@@ -139,6 +146,15 @@ class CLI:
         return cfg
 
     # -- running ---------------------------------------------------------------------------
+    def _save_config(self, parser: ArgumentParser, section: Namespace) -> None:
+        """Write the resolved configuration of a fit next to its metrics: ``<log_dir>/config.yaml``
+        (global rank zero; nothing without a logger), so ``--config`` can repeat the run."""
+        logger = getattr(self.trainer, "logger", None)
+        if logger is None or not getattr(self.trainer, "is_global_zero", True) or logger.log_dir is None:
+            return
+        text = parser.dump(section, skip_none=False, skip_validation=True)
+        (Path(logger.log_dir) / CONFIG_FILE).write_text(text)
+
     def _run(self, subcommand: str, ckpt_path: str | None) -> Any:
         method = getattr(self.trainer, subcommand)
         kwargs: dict[str, Any] = {"ckpt_path": ckpt_path}

@@ -57,6 +57,10 @@ def next_version_dir(parent: str | os.PathLike[str]) -> Path:
 class MetricBuffer:
     """Rows of logged metrics whose tensor values stay on their device until :meth:`drain`.
 
+    Each :meth:`add` copies its tensors in one ``torch.stack`` (they may be changed in place
+    later: a parameter, a running sum); :meth:`drain` joins everything buffered with one
+    ``torch.cat`` per device and dtype and reads it with one ``tolist`` per device.
+
     Example:
         >>> buf = MetricBuffer()
         >>> buf.add({"loss": torch.tensor(0.5)}, step=1, epoch=0)
@@ -66,14 +70,17 @@ class MetricBuffer:
     """
 
     def __init__(self) -> None:
-        self._rows: list[tuple[int, int | None, dict[str, float | torch.Tensor]]] = []
+        # (step, epoch, row) where row maps each name to a float or a (pack, index) position.
+        self._rows: list[tuple[int, int | None, dict[str, Any]]] = []
+        self._packs: list[torch.Tensor] = []
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def add(self, metrics: dict[str, float | torch.Tensor], *, step: int, epoch: int | None) -> int:
         """Buffer one row; returns how many rows are buffered. No host sync."""
-        row: dict[str, float | torch.Tensor] = {}
+        row: dict[str, Any] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
@@ -81,42 +88,61 @@ class MetricBuffer:
                         f"logged metric {name!r} has shape {tuple(value.shape)}; loggers take scalars "
                         "(log a reduction such as value.mean())"
                     )
-                # A clone, because the caller may update the tensor in place (a parameter, a
-                # running sum) before the buffer is written.
-                row[name] = value.detach().reshape(()).clone()
+                groups.setdefault((value.device, value.dtype), []).append((name, value))
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 row[name] = float(value)
             else:
                 raise TypeError(f"logged metric {name!r} is a {type(value).__name__}; log a number or a scalar tensor")
+        for items in groups.values():
+            tensors = [t.detach() if t.requires_grad else t for _, t in items]
+            pack = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in tensors])  # a copy
+            self._packs.append(pack)
+            row.update((name, (pack, i)) for i, (name, _) in enumerate(items))
         self._rows.append((int(step), epoch, row))
         return len(self._rows)
 
     def drain(self) -> list[Row]:
         """Convert every buffered tensor to a float (one sync per device) and empty the buffer."""
-        rows, self._rows = self._rows, []
+        rows, packs = self._rows, self._packs
+        self._rows, self._packs = [], []
+        by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for pack in packs:
+            by_key.setdefault((pack.device, pack.dtype), []).append(pack)
+        offsets: dict[int, int] = {}  # id(pack) -> its first position in the device's values
         by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for _, _, row in rows:
-            for v in row.values():
-                if isinstance(v, torch.Tensor):
-                    by_device.setdefault(v.device, []).append(v)
-        values: dict[int, float] = {}
-        for device, tensors in by_device.items():
-            # float64 keeps int metrics exact; MPS has no float64.
-            dtype = torch.float32 if device.type == "mps" else torch.float64
-            floats = torch.stack([t.to(dtype) for t in tensors]).tolist()
-            values.update(zip(map(id, tensors), map(_shortest, tensors, floats)))
-        return [
-            (step, epoch, {k: values[id(v)] if isinstance(v, torch.Tensor) else v for k, v in row.items()})
-            for step, epoch, row in rows
-        ]
+        narrow: dict[torch.device, list[bool]] = {}
+        for (device, dtype), same in by_key.items():
+            joined = torch.cat(same)
+            if len(by_key) > 1 or dtype not in (torch.float32, torch.float64):
+                # float64 keeps int metrics exact when dtypes are mixed; MPS has no float64.
+                joined = joined.to(torch.float32 if device.type == "mps" else torch.float64)
+            done = sum(t.numel() for t in by_device.get(device, []))
+            for pack in same:
+                offsets[id(pack)] = done
+                done += pack.numel()
+            by_device.setdefault(device, []).append(joined)
+            narrow.setdefault(device, []).extend([dtype in _NARROW] * joined.numel())
+        values: dict[torch.device, list[float]] = {}
+        for device, parts in by_device.items():
+            floats = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+            values[device] = [_shortest(v) if n else v for v, n in zip(floats, narrow[device], strict=True)]
+        return [(step, epoch, {k: _value(v, values, offsets) for k, v in row.items()}) for step, epoch, row in rows]
 
 
-def _shortest(tensor: torch.Tensor, value: float) -> float:
-    """``value`` rounded to the shortest decimal that gives back the tensor's float32 (or
-    narrower) number, so a logged ``0.49`` reads ``0.49``, not ``0.49000000953674316``."""
-    if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return float(str(np.float32(value)))
-    return value
+_NARROW = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _value(v: Any, values: dict[torch.device, list[float]], offsets: dict[int, int]) -> float:
+    if isinstance(v, tuple):
+        pack, i = v
+        return values[pack.device][offsets[id(pack)] + i]
+    return float(v)
+
+
+def _shortest(value: float) -> float:
+    """``value`` rounded to the shortest decimal that gives back the same float32, so a logged
+    ``0.49`` reads ``0.49``, not ``0.49000000953674316``."""
+    return float(str(np.float32(value)))
 
 
 class _RunDir:
@@ -286,18 +312,19 @@ class CSVLogger(_BufferedLogger):
         if new:
             self._columns = self._columns + list(dict.fromkeys(new))
             old_rows = _read_rows(path) if path.exists() else []
-        records = [{"step": s, "epoch": "" if e is None else e, **m} for s, e, m in rows]
+        metric_columns = self._columns[2:]
+        records = [[s, "" if e is None else e, *(m.get(c, "") for c in metric_columns)] for s, e, m in rows]
         if rewrite:
             tmp = path.with_name(path.name + ".tmp")
             with tmp.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=self._columns, restval="")
-                writer.writeheader()
-                writer.writerows(old_rows)
+                writer = csv.writer(f)
+                writer.writerow(self._columns)
+                writer.writerows([r.get(c, "") for c in self._columns] for r in old_rows)
                 writer.writerows(records)
             os.replace(tmp, path)  # readers never see a half-written header
         else:
             with path.open("a", newline="") as f:
-                csv.DictWriter(f, fieldnames=self._columns, restval="").writerows(records)
+                csv.writer(f).writerows(records)
 
 
 class TensorBoardLogger(_BufferedLogger):

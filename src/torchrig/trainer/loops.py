@@ -49,16 +49,17 @@ def call_step(prepared: RigModule, method: Any, *args: Any) -> Any:
     Inside the step, ``self(x)`` is the user's own ``forward`` again.
     """
     module = prepared.module
+    attrs = module.__dict__  # the instance dict, past nn.Module's slower __setattr__
 
     def step_forward(*a: Any) -> Any:
-        del module.forward
+        attrs.pop("forward", None)
         return method(*a)
 
-    module.forward = step_forward
+    attrs["forward"] = step_forward
     try:
         return prepared(*args)
     finally:
-        module.__dict__.pop("forward", None)
+        attrs.pop("forward", None)
 
 
 def loss_of(output: Any) -> torch.Tensor | None:
@@ -223,7 +224,7 @@ def _end_train_epoch(tr: Trainer) -> None:
     tr._call_module("on_train_epoch_end")
     epoch_values = tr._train_metrics.epoch_values()
     tr._epoch_metrics.update(epoch_values)
-    logged = {k: v for k, v in tr._train_metrics.epoch_values(for_logger=True).items()}
+    logged = tr._train_metrics.logger_keys(epoch_values)
     if logged:
         tr._log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
     step_schedulers(tr, "epoch", tr.fit_state.epoch + 1)
@@ -259,7 +260,7 @@ def run_evaluation(tr: Trainer, stage: str, limit_override: float | None = None)
     results = _split_by_loader(values, len(loaders))
     if stage != "sanity_check":
         tr._epoch_metrics.update(values)
-        logged = store.epoch_values(for_logger=True)
+        logged = store.logger_keys(values)
         if logged and tr._stage == "fit":
             tr._log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
         elif logged:

@@ -80,7 +80,12 @@ class MetricStore:
                     f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log scalars "
                     "(one number), e.g. value.mean()"
                 )
-            return value.detach().reshape(()).to(device=self.device, dtype=torch.float32)
+            t = value.detach()
+            if t.dim():
+                t = t.reshape(())
+            if t.dtype != torch.float32 or t.device != self.device:
+                t = t.to(device=self.device, dtype=torch.float32)
+            return t
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return torch.tensor(float(value), device=self.device)
         raise TypeError(f"self.log({name!r}) got {type(value).__name__}; log a number or a scalar tensor")
@@ -111,6 +116,15 @@ class MetricStore:
         if synced and self.rig is not None and self.rig.world_size > 1:
             reduced = self.rig.all_reduce(torch.stack([out[k] for k in synced]), "mean")
             out.update(zip(synced, reduced.unbind(0), strict=True))
+        return out
+
+    def logger_keys(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The items of ``values`` (from :meth:`epoch_values`) whose names go to the logger."""
+        out = {}
+        for key, value in values.items():
+            opts = self.options.get(key) or self.options.get(key.removesuffix("_epoch"))
+            if opts is None or opts.logger:
+                out[key] = value
         return out
 
     def state_dict(self) -> dict[str, Any]:

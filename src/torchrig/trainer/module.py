@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
 
 
+#: One LogOptions per combination of self.log's flags (built once, not per call).
+_OPTIONS: dict[tuple[Any, ...], LogOptions] = {}
+
+
 class TrainingModule(nn.Module):
     """Subclass it, define ``training_step`` and ``configure_optimizers``, hand it to a Trainer.
 
@@ -73,6 +77,12 @@ class TrainingModule(nn.Module):
         for p in self.parameters():
             return p.device
         return torch.device("cpu")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles (deepcopy, ddp_spawn) leave the Trainer behind; the next run re-attaches.
+        state = super().__getstate__()
+        state.pop("_trainer", None)
+        return state  # type: ignore[no-any-return]
 
     # -- steps --------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -139,15 +149,17 @@ class TrainingModule(nn.Module):
             warnings.warn(f"self.log({name!r}) outside a Trainer run is ignored", stacklevel=2)
             return
         in_step = trainer._logging_in_step
-        options = LogOptions(
-            prog_bar=prog_bar,
-            logger=logger,
-            on_step=in_step if on_step is None else on_step,
-            on_epoch=(not in_step) if on_epoch is None else on_epoch,
-            sync_dist=sync_dist,
+        key = (
+            prog_bar,
+            logger,
+            in_step if on_step is None else on_step,
+            (not in_step) if on_epoch is None else on_epoch,
         )
-        if not (options.on_step or options.on_epoch):
-            raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing; set one to True")
+        options = _OPTIONS.get((*key, sync_dist))
+        if options is None:
+            if not (key[2] or key[3]):
+                raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing; set one to True")
+            options = _OPTIONS.setdefault((*key, sync_dist), LogOptions(*key, sync_dist=bool(sync_dist)))
         # With several eval loaders, each loader's values are kept apart (``name/dataloader_idx_N``).
         trainer._active_metrics.log(name + trainer._log_suffix, value, options, batch_size)
 

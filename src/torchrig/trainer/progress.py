@@ -186,9 +186,8 @@ class ProgressBar(Callback):
         )
         # Both rows exist from the start and are shown/hidden with update(), because rich's
         # add_task and reset always redraw, which the rate limit must decide.
-        fields = {"eta": "", "speed": "", "metrics": ""}
-        self._train_task = progress.add_task("", total=None, visible=False, **fields)
-        self._eval_task = progress.add_task("", total=None, visible=False, **fields)
+        self._train_task = progress.add_task("", total=None, visible=False, eta="", speed="", metrics="")
+        self._eval_task = progress.add_task("", total=None, visible=False, eta="", speed="", metrics="")
         progress.start()
         self._progress, self._owns_progress = progress, owned
 
@@ -259,7 +258,7 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
     for device, items in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
         floats = torch.stack([t.to(dtype) for _, t in items]).tolist()
-        out.update(zip((n for n, _ in items), floats))
+        out.update(zip((n for n, _ in items), floats, strict=True))
     return {k: out[k] for k in metrics if k in out}  # keep the caller's order
 
 

@@ -203,9 +203,16 @@ def checkpoint_state(tr: Trainer) -> dict[str, Any]:
 
 
 def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | None:
+    cb = tr.checkpoint_callback
+    if str(ckpt_path) == "best":
+        if cb is None or not cb.best_model_path:
+            raise ValueError(
+                "ckpt_path='best' needs a ModelCheckpoint that has saved a checkpoint in this Trainer; "
+                "give the checkpoint's path, or 'last'"
+            )
+        return Path(cb.best_model_path)
     if str(ckpt_path) != "last":
         return Path(ckpt_path)
-    cb = tr.checkpoint_callback
     folder = cb.resolve_dirpath(tr) if cb is not None else tr.default_root_dir / "checkpoints"
     link = folder / "last"
     if not link.exists():

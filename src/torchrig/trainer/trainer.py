@@ -26,6 +26,8 @@ from torchrig.trainer.module import SchedulerConfig, TrainingModule
 from torchrig.wrappers import RigModule
 
 Limit = int | float
+#: Seconds between the saves of the default checkpoint (each epoch's end, at most this often, and the end).
+DEFAULT_CHECKPOINT_INTERVAL = 60.0
 
 
 class Trainer:
@@ -55,7 +57,8 @@ class Trainer:
         log_every_n_steps: send ``on_step`` values to the logger every this many optimizer steps.
         default_root_dir: where logs and checkpoints go (default: the working directory).
         enable_progress_bar: add the rich progress bar.
-        enable_checkpointing: add a :class:`ModelCheckpoint` (``save_last=True``) unless one is given.
+        enable_checkpointing: add a :class:`ModelCheckpoint` unless one is given: it saves at epoch ends, at
+            most once a minute, and at the end of the fit, with the ``last`` link (``ckpt_path="last"``).
         deterministic: ``torch.use_deterministic_algorithms`` (True, False, or ``"warn"``); None leaves it.
         seed: seed Python, NumPy and torch in every process before the run.
 
@@ -185,9 +188,10 @@ class Trainer:
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
         """Every logged value (latest step values and epoch means), as device tensors."""
-        step = {**self._train_metrics.step_values(), **self._eval_metrics.step_values()}
-        plain = {k.removesuffix("_step"): v for k, v in step.items()}
-        return {**plain, **step, **self._epoch_metrics}
+        stores = (self._train_metrics, self._eval_metrics)
+        latest = {name: value for store in stores for name, value in store.step.items()}
+        step = {k: v for store in stores for k, v in store.step_values().items()}
+        return {**latest, **step, **self._epoch_metrics}
 
     @property
     def logged_metrics(self) -> dict[str, Any]:
@@ -234,7 +238,7 @@ class Trainer:
         datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> None:
-        """Train ``module``; ``ckpt_path`` (a checkpoint directory, or ``"last"``) resumes exactly."""
+        """Train ``module``; ``ckpt_path`` (a checkpoint directory, ``"last"`` or ``"best"``) resumes exactly."""
         from torchrig.trainer.runner import run_fit_stage
 
         self._launch(run_fit_stage, module, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
@@ -409,7 +413,7 @@ def _callbacks(given: Any, checkpointing: bool, progress_bar: bool) -> list[Call
     if has_ckpt and not checkpointing:
         raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is in callbacks; drop one of the two")
     if checkpointing and not has_ckpt:
-        found.append(ModelCheckpoint(save_last=True))
+        found.append(ModelCheckpoint(save_last=True, train_time_interval=DEFAULT_CHECKPOINT_INTERVAL))
     if progress_bar:
         from torchrig.trainer.progress import ProgressBar
 

@@ -1,7 +1,7 @@
 """Rank 1 raises in the middle of training; every rank must stop, naming rank 1 and its error.
 
-    python fail.py            # strategy="ddp": this process starts rank 1 and watches it
-    torchrun ... fail.py      # torchrun starts and watches both ranks
+python fail.py            # strategy="ddp": this process starts rank 1 and watches it
+torchrun ... fail.py      # torchrun starts and watches both ranks
 """
 
 from __future__ import annotations

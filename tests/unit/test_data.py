@@ -1,0 +1,106 @@
+"""Prepared dataloaders: batches on the device, epochs, and exact mid-epoch resume."""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+import torchrig
+from torchrig.data import ResumableSampler, RigDataLoader
+
+pytestmark = pytest.mark.timeout(15)
+DATA = TensorDataset(torch.arange(40).float().unsqueeze(1))
+
+
+def _prepared(loader: DataLoader[Any], seed: int = 0) -> RigDataLoader:
+    rig = torchrig.Rig(accelerator="cpu", devices=1)
+    rig.seed_everything(seed)
+    return rig.prepare(loader)  # type: ignore[no-any-return]
+
+
+def _ids(batches: list[Any]) -> list[list[int]]:
+    return [b[0].flatten().int().tolist() for b in batches]
+
+
+def test_batches_arrive_on_the_device_of_the_loader() -> None:
+    loader = RigDataLoader(DataLoader(DATA, batch_size=8), device=torch.device("meta"))
+    batches = list(loader)
+    assert len(batches) == len(loader) == 5
+    assert all(b[0].device == torch.device("meta") for b in batches)
+
+
+def test_prepared_loader_keeps_len_batch_size_and_dataset() -> None:
+    loader = _prepared(DataLoader(DATA, batch_size=8, shuffle=True))
+    assert len(loader) == 5 and loader.batch_size == 8 and loader.dataset is DATA
+    assert isinstance(loader.sampler, ResumableSampler)
+    assert not loader.pin_memory  # nothing to pin for on the CPU
+
+
+def test_each_epoch_is_a_new_permutation_and_covers_the_data() -> None:
+    loader = _prepared(DataLoader(DATA, batch_size=8, shuffle=True))
+    first, second = _ids(list(loader)), _ids(list(loader))
+    assert first != second
+    assert sorted(chain(*first)) == sorted(chain(*second)) == list(range(40))
+
+
+def test_order_depends_only_on_the_seed() -> None:
+    a = _ids(list(_prepared(DataLoader(DATA, batch_size=8, shuffle=True), seed=3)))
+    b = _ids(list(_prepared(DataLoader(DATA, batch_size=8, shuffle=True), seed=3)))
+    assert a == b
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_resume_gives_exactly_the_remaining_batches_of_the_same_epoch(shuffle: bool) -> None:
+    loader = _prepared(DataLoader(DATA, batch_size=8, shuffle=shuffle))
+    list(loader)  # epoch 0
+    it = iter(loader)  # epoch 1
+    seen = [next(it) for _ in range(2)]
+    state = loader.state_dict()
+    rest = _ids(list(it))
+    assert state["epoch"] == 1 and state["batches_seen"] == 2
+
+    resumed = _prepared(DataLoader(DATA, batch_size=8, shuffle=shuffle), seed=99)  # another seed
+    resumed.load_state_dict(state)
+    assert _ids(list(resumed)) == rest
+    assert len(rest) + len(seen) == 5
+    nxt = _ids(list(resumed))  # then epoch 2, as the uninterrupted run would have had
+    assert nxt == _ids(list(loader))
+
+
+def test_resume_at_the_end_of_an_epoch_starts_the_next_one() -> None:
+    loader = _prepared(DataLoader(DATA, batch_size=8, shuffle=True))
+    list(loader)
+    state = loader.state_dict()
+    expected = _ids(list(loader))
+    resumed = _prepared(DataLoader(DATA, batch_size=8, shuffle=True), seed=5)
+    resumed.load_state_dict(state)
+    assert _ids(list(resumed)) == expected
+
+
+def test_loader_with_a_custom_batch_sampler_resumes_by_skipping() -> None:
+    class MyBatches(BatchSampler):
+        pass
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(DATA, batch_sampler=MyBatches(SequentialSampler(DATA), batch_size=8, drop_last=False))
+
+    loader = _prepared(make())
+    assert not isinstance(loader.sampler, ResumableSampler)  # left as the user built it
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    rest = _ids(list(it))
+    resumed = _prepared(make())
+    resumed.load_state_dict(state)
+    assert _ids(list(resumed)) == rest
+
+
+def test_resumable_sampler_splits_across_replicas_like_one_big_batch() -> None:
+    full = ResumableSampler(DATA, shuffle=True, seed=1).indices()
+    parts = [ResumableSampler(DATA, shuffle=True, seed=1, num_replicas=4, rank=r).indices() for r in range(4)]
+    assert sorted(chain(*parts)) == sorted(full)
+    assert [parts[r][0] for r in range(4)] == full[:4]
