@@ -12,8 +12,8 @@ Run it::
 
 Under ``torchrig run --devices 2 examples/raw_to_rig.py`` (or ``torchrun --nproc-per-node 2``)
 the Rig loop runs data-parallel on 2 processes with no change (each process reads its own half
-of the data and the gradients are averaged); the hand-written one would need a sampler, DDP and a process group for that, and here
-simply trains the whole thing in each process.
+of the data and the gradients are averaged); the hand-written one would need a sampler, DDP
+and a process group for that, and here simply trains the whole thing in each process.
 """
 
 from __future__ import annotations

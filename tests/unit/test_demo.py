@@ -237,6 +237,23 @@ def test_demo_resume_continues_the_previous_run_in_place(tmp_path: Path, capsys:
     assert "no epoch trained: the run already has 2; raise --max-epochs" in capsys.readouterr().out
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_demo_on_two_processes_shares_one_run_directory(tmp_path: Path) -> None:
+    done = run_demo_command(
+        "--max-epochs", "1", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = summary(done.stdout)
+    assert out["device"] == "cpu (2 processes, DDPStrategy)"
+    assert "(1 epoch trained in" in out["time"]
+    assert done.stdout.count("test accuracy:") == 1  # rank zero reports
+    runs = tmp_path / "runs" / "demo" / "digits"
+    assert [p.name for p in runs.iterdir()] == ["version_0"]  # both ranks wrote to the one rank zero chose
+    assert (runs / "version_0" / "checkpoints" / "last" / "meta.json").exists()
+    assert png_size(runs / "version_0" / PNG_NAME) == (1000, 400)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_demo_reaches_97_percent_in_under_a_minute(tmp_path: Path) -> None:

@@ -249,3 +249,13 @@ def test_prepared_loader_yields_batches_and_loop_trains() -> None:
             optimizer.zero_grad()
             losses.append(loss.detach())
     assert torch.stack(losses[-4:]).mean() < 0.5 * torch.stack(losses[:4]).mean()
+
+
+def test_optimizer_over_meta_parameters_prepared_without_its_module_is_an_error() -> None:
+    rig = _rig()
+    with rig.init_module(empty_init=True):
+        model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rig.prepare(model)
+    with pytest.raises(ValueError, match=r"holds parameters on the meta device .* rig.prepare\(model, optimizer\)"):
+        rig.prepare(optimizer)

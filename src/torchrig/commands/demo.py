@@ -96,7 +96,7 @@ def _what_was_trained(result: DemoResult) -> str:
     if first is None:
         return f"no epoch trained: the run already has {last}; raise --max-epochs to train more"
     if first == 0:
-        return f"{last} epochs trained in {seconds:.1f} s"
+        return f"{last} epoch{'' if last == 1 else 's'} trained in {seconds:.1f} s"
     epochs = f"epoch {last}" if first + 1 == last else f"epochs {first + 1}-{last}"
     return f"resumed: {epochs} trained in {seconds:.1f} s"
 

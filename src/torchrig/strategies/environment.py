@@ -22,7 +22,8 @@ class ClusterEnvironment:
     """Where this process sits in the job.
 
     Attributes:
-        kind: ``"torchrun"``, ``"slurm"`` or ``"none"``.
+        kind: ``"torchrun"``, ``"slurm"``, ``"torchrig"`` (rank 0 of :class:`SubprocessLauncher`,
+            in :mod:`torchrig.strategies.launch`) or ``"none"``.
         global_rank, local_rank, node_rank, world_size: this process's place.
         local_world_size: processes on this node (``None`` when the launcher does not say).
         master_addr, master_port: the rendezvous address (``None`` when not known yet).
@@ -39,7 +40,7 @@ class ClusterEnvironment:
 
     @property
     def launched(self) -> bool:
-        """True when an outside launcher (torchrun, SLURM, or torchrig's own) started this process."""
+        """True when a launcher (torchrun, SLURM, or torchrig's own) placed this process in a job."""
         return self.kind != "none"
 
 

@@ -108,54 +108,46 @@ class SubprocessLauncher:
     def start(self) -> ClusterEnvironment:
         """Start the other local ranks; returns this process's place in the run."""
         cmd = script_command()
+        addr, port, node_rank = self._rendezvous()
         n, world = self.num_processes, self.num_processes * self.num_nodes
-        if self.num_nodes == 1 and "MASTER_PORT" not in os.environ:
-            # Open the rendezvous store on a port the OS picks *before* starting the children, so
-            # no other program can take the port in between (a probe-then-bind race).
-            addr, node_rank = os.environ.get("MASTER_ADDR", "127.0.0.1"), 0
-            self.store = dist.TCPStore(
-                addr, 0, world_size=world, is_master=True, timeout=self.timeout, wait_for_workers=False
+
+        def place(local_rank: int) -> dict[str, str]:
+            return rank_env(
+                global_rank=node_rank * n + local_rank,
+                local_rank=local_rank,
+                node_rank=node_rank,
+                world_size=world,
+                local_world_size=n,
+                addr=addr,
+                port=port,
             )
-            port = self.store.port
-        else:
-            addr, port, node_rank = _rendezvous(self.num_nodes)
+
         for local_rank in range(1, n):
-            env = dict(os.environ)
-            env.update(
-                rank_env(
-                    global_rank=node_rank * n + local_rank,
-                    local_rank=local_rank,
-                    node_rank=node_rank,
-                    world_size=world,
-                    local_world_size=n,
-                    addr=addr,
-                    port=port,
-                )
-            )
-            env[PARENT_PID_VAR] = str(os.getpid())
+            env = {**os.environ, **place(local_rank), PARENT_PID_VAR: str(os.getpid())}
             self.children[node_rank * n + local_rank] = subprocess.Popen(cmd, env=env)
-        own = rank_env(
-            global_rank=node_rank * n,
-            local_rank=0,
-            node_rank=node_rank,
-            world_size=world,
-            local_world_size=n,
-            addr=addr,
-            port=port,
-        )
-        os.environ.update(own)  # so code that reads RANK/WORLD_SIZE sees what the children see
+        os.environ.update(place(0))  # so code that reads RANK/WORLD_SIZE sees what the children see
         threading.Thread(target=self._watch, name="torchrig-watch-ranks", daemon=True).start()
         atexit.register(self.join)
         return ClusterEnvironment(
             kind="torchrig",
             global_rank=node_rank * n,
-            local_rank=0,
             node_rank=node_rank,
             world_size=world,
             local_world_size=n,
             master_addr=addr,
             master_port=port,
         )
+
+    def _rendezvous(self) -> tuple[str, int, int]:
+        if self.num_nodes > 1 or "MASTER_PORT" in os.environ:
+            return _rendezvous(self.num_nodes)
+        # One machine: open the store on a port the OS picks *before* starting the children, so
+        # no other program can take the port in between (the race of probing for a free port).
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.store = dist.TCPStore(
+            addr, 0, world_size=self.num_processes, is_master=True, timeout=self.timeout, wait_for_workers=False
+        )
+        return addr, self.store.port, 0
 
     def _watch(self) -> None:
         # A failed rank leaves the others blocked in a collective until the timeout; stop them now.
