@@ -15,10 +15,12 @@ import argparse
 import os
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchrig
+import torchrig.checkpoint
 from torchrig.strategies import FSDPStrategy
 
 
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--devices", default=None)
     parser.add_argument("--precision", default=None)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--out", default="checkpoints", help="where the sharded checkpoint and model.safetensors go")
     args = parser.parse_args()
     launched = "WORLD_SIZE" in os.environ
     rig = torchrig.Rig(
@@ -90,13 +93,17 @@ def main() -> None:
             total += loss.detach()
         rig.print(f"epoch {epoch}: loss {rig.all_reduce(total / len(loader)).item():.4f}")
 
-    # ---------------------------------------------------------------------------------------
-    # CHECKPOINT: to be filled by the checkpoint engineer / lead once sharded checkpoints land.
-    # Intended: save a sharded checkpoint (every rank writes its own shards through
-    # torch.distributed.checkpoint, since rig.strategy.sharded is True), e.g.
-    #     rig.save("checkpoints/fsdp-last", {"model": model, "optimizer": optimizer})
-    # then consolidate it into one file that loads without torchrig or several processes.
-    # ---------------------------------------------------------------------------------------
+    # A sharded checkpoint: every rank writes its own shards in parallel (torch.distributed.checkpoint).
+    path = rig.save(os.path.join(args.out, "fsdp-last"), {"model": model, "optimizer": optimizer, "epoch": epoch})
+    if rig.is_global_zero:
+        # One plain safetensors file that loads anywhere, without torchrig or several processes.
+        single = torchrig.checkpoint.consolidate(path, os.path.join(args.out, "model.safetensors"))
+        weights = load_file(str(single))
+        reference = TinyLM()
+        reference.load_state_dict(weights)  # every key and shape of the full model is there
+        count = sum(t.numel() for t in weights.values())
+        rig.print(f"sharded checkpoint {path.name} consolidated: {len(weights)} tensors, {count} parameters")
+    rig.barrier("consolidated")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torchrig.data import RigDataLoader, rebuild_with_sampler
 from torchrig.precision import Precision
 from torchrig.resolve import Plan, resolve
 from torchrig.strategies import Strategy
+from torchrig.strategies.base import reset_parameters
 from torchrig.wrappers import RigModule, RigOptimizer, wrap_optimizer
 
 
@@ -393,10 +394,7 @@ def _rebind_params(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Para
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Give a module created on ``meta`` real storage on ``device`` and initialise it."""
     module.to_empty(device=device)
-    for sub in module.modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
+    reset_parameters(module)
 
 
 def seed_everything(seed: int) -> int:

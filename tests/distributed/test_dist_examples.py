@@ -22,8 +22,12 @@ def test_ddp_example_trains_and_counts_every_validation_sample_once() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_fsdp_example_trains_from_meta() -> None:
-    proc = run([str(EXAMPLES / "fsdp.py"), "--epochs", "2"])
+def test_fsdp_example_trains_from_meta(tmp_path: Path) -> None:
+    proc = run([str(EXAMPLES / "fsdp.py"), "--epochs", "2", "--out", str(tmp_path)])
     assert proc.returncode == 0, explain(proc)
     losses = [float(x) for x in re.findall(r"epoch \d: loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) == 2 and losses[1] < losses[0], explain(proc)
+    assert re.search(r"sharded checkpoint fsdp-last consolidated: \d+ tensors, \d+ parameters", proc.stdout), explain(
+        proc
+    )
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "fsdp-last" / "meta.json").is_file()

@@ -156,7 +156,7 @@ def test_ddp_spawn_with_an_unpicklable_function_says_why_before_starting() -> No
 
 
 def test_materialising_shards_warns_about_modules_without_reset_parameters() -> None:
-    from torchrig.strategies.fsdp import _reset_parameters
+    from torchrig.strategies.base import reset_parameters as _reset_parameters
 
     class Scale(nn.Module):
         def __init__(self) -> None:
@@ -171,3 +171,22 @@ def test_materialising_shards_warns_about_modules_without_reset_parameters() -> 
         attention.in_proj_weight.zero_()
     _reset_parameters(attention)
     assert attention.in_proj_weight.abs().sum() > 0
+
+
+def test_a_loader_prepare_cannot_shard_gets_a_warning_unless_already_distributed() -> None:
+    import warnings
+
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+    class Stream(IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(4))
+
+    strategy = torchrig.resolve(accelerator="cpu", devices=2, strategy="ddp").strategy
+    stream = DataLoader(Stream())
+    with pytest.warns(UserWarning, match=r"each of the 2 processes iterates all of it\. Shard it yourself"):
+        assert strategy.process_dataloader(stream) is stream
+    sharded = DataLoader(list(range(4)), sampler=DistributedSampler(list(range(4)), num_replicas=2, rank=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert strategy.process_dataloader(sharded) is sharded

@@ -259,3 +259,15 @@ def test_optimizer_over_meta_parameters_prepared_without_its_module_is_an_error(
     rig.prepare(model)
     with pytest.raises(ValueError, match=r"holds parameters on the meta device .* rig.prepare\(model, optimizer\)"):
         rig.prepare(optimizer)
+
+
+def test_empty_init_on_one_device_initialises_modules_with_private_reset() -> None:
+    # nn.MultiheadAttention initialises itself in _reset_parameters(); materialising from meta
+    # must call it, or the weights would be uninitialised memory.
+    rig = torchrig.Rig(accelerator="cpu")
+    with rig.init_module(empty_init=True):
+        attention = nn.MultiheadAttention(4, 2)
+    assert attention.in_proj_weight.is_meta
+    prepared = rig.prepare(attention)
+    weight = prepared.module.in_proj_weight
+    assert not weight.is_meta and torch.isfinite(weight).all() and weight.abs().sum() > 0

@@ -8,6 +8,7 @@ collectives; distributed strategies override what they need.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -151,3 +152,22 @@ class Strategy:
 def check_reduce_op(op: str) -> None:
     if op not in REDUCE_OPS:
         raise ValueError(f"all_reduce(op={op!r}) is not a reduction; use one of {', '.join(REDUCE_OPS)}")
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """Initialise parameters materialised from ``meta`` with each submodule's own ``reset_parameters``."""
+    missing = []
+    for name, sub in module.named_modules():
+        # ``_reset_parameters`` is what nn.MultiheadAttention and nn.Transformer call theirs.
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+        if callable(reset):
+            reset()
+        elif any(True for _ in sub.parameters(recurse=False)):
+            missing.append(f"{name or '<root>'} ({type(sub).__name__})")
+    if missing:
+        warnings.warn(
+            "rig.init_module(empty_init=True): these modules have parameters but no reset_parameters(), so "
+            f"their materialised parameters hold uninitialised memory: {', '.join(missing)}. Add a "
+            "reset_parameters() method, or load weights after prepare",
+            stacklevel=3,
+        )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchrig.strategies.base import reset_parameters
 from torchrig.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 
 WrapPolicy = Callable[[nn.Module], bool]
@@ -130,7 +130,7 @@ class FSDPStrategy(ParallelStrategy):
         fully_shard(module, **kwargs)
         if on_meta:
             module.to_empty(device=self.root_device)  # only the local shards get memory
-            _reset_parameters(module)
+            reset_parameters(module)
         after = dict(module.named_parameters())
         for name, (old_id, shape) in before.items():
             if name in after:
@@ -185,25 +185,6 @@ class FSDPStrategy(ParallelStrategy):
 
     def __repr__(self) -> str:
         return f"FSDPStrategy(cpu_offload={self.cpu_offload}, reshard_after_forward={self.reshard_after_forward})"
-
-
-def _reset_parameters(module: nn.Module) -> None:
-    """Initialise materialised shards with each module's own ``reset_parameters``."""
-    missing = []
-    for name, sub in module.named_modules():
-        # ``_reset_parameters`` is what nn.MultiheadAttention and nn.Transformer call theirs.
-        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
-        if callable(reset):
-            reset()
-        elif any(True for _ in sub.parameters(recurse=False)):
-            missing.append(f"{name or '<root>'} ({type(sub).__name__})")
-    if missing:
-        warnings.warn(
-            "rig.init_module(empty_init=True): these modules have parameters but no reset_parameters(), so "
-            f"their materialised shards hold uninitialised memory: {', '.join(missing)}. Add a "
-            "reset_parameters() method, or load weights after prepare",
-            stacklevel=3,
-        )
 
 
 @contextlib.contextmanager

@@ -261,7 +261,7 @@ def _spawn_worker(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     base: dict[str, Any],
-    queue: Any,
+    result_path: str,
 ) -> None:
     n, node_rank = base["num_processes"], base["node_rank"]
     global_rank = node_rank * n + local_rank
@@ -278,11 +278,18 @@ def _spawn_worker(
     )
     result = fn(*args, **kwargs)
     if global_rank == 0:
+        # A file, not a multiprocessing queue: a queue's pipe blocks a large result until the parent
+        # reads it (which it does only after joining), and its shared-memory tensors die with the worker.
+        import pickle
+
         try:
-            queue.put(result)
+            payload = pickle.dumps(result)
         except Exception as err:  # an unpicklable result must not fail a finished run
             _stderr(f"torchrig: the return value of rank 0 could not be sent back ({err}); returning None\n")
-            queue.put(None)
+            payload = pickle.dumps(None)
+        with open(result_path + ".tmp", "wb") as f:
+            f.write(payload)
+        os.replace(result_path + ".tmp", result_path)
 
 
 def spawn(
@@ -305,11 +312,22 @@ def spawn(
         _check_picklable(fn)
     addr, port, node_rank = _rendezvous(num_nodes)
     base = {"num_processes": num_processes, "num_nodes": num_nodes, "node_rank": node_rank, "addr": addr, "port": port}
-    queue = mp.get_context(start_method).SimpleQueue()
-    mp.start_processes(
-        _spawn_worker, args=(fn, args, kwargs, base, queue), nprocs=num_processes, start_method=start_method
-    )
-    return None if queue.empty() else queue.get()
+    import pickle
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="torchrig-spawn-")
+    result_path = os.path.join(tmp, "rank0.pkl")
+    try:
+        mp.start_processes(
+            _spawn_worker, args=(fn, args, kwargs, base, result_path), nprocs=num_processes, start_method=start_method
+        )
+        if not os.path.exists(result_path):
+            return None
+        with open(result_path, "rb") as f:
+            return pickle.load(f)  # written just now by our own worker, in our own private directory
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_picklable(fn: Callable[..., Any]) -> None:

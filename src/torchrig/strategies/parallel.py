@@ -188,6 +188,23 @@ class ParallelStrategy(Strategy):
             start_method=self.start_method,
         )
 
+    def process_dataloader(self, loader: Any) -> Any:
+        """A loader ``prepare`` could not re-shard (custom sampler, iterable dataset): kept as is."""
+        from torch.utils.data import DistributedSampler
+
+        sampler = getattr(loader, "sampler", None)
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(sampler, DistributedSampler) and not isinstance(
+            getattr(batch_sampler, "sampler", None), DistributedSampler
+        ):
+            warnings.warn(
+                f"prepare() cannot shard this DataLoader (its {type(sampler).__name__} / dataset is not one it can "
+                f"rebuild), so each of the {self.world_size} processes iterates all of it. Shard it yourself "
+                "(torch.utils.data.DistributedSampler(dataset), or split an IterableDataset by rank)",
+                stacklevel=4,
+            )
+        return loader
+
     def _destroy_group(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

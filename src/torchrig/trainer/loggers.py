@@ -80,7 +80,7 @@ class MetricBuffer:
     def add(self, metrics: dict[str, float | torch.Tensor], *, step: int, epoch: int | None) -> int:
         """Buffer one row; returns how many rows are buffered. No host sync."""
         row: dict[str, Any] = {}
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+        tensors: list[tuple[str, torch.Tensor]] = []
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
@@ -88,16 +88,24 @@ class MetricBuffer:
                         f"logged metric {name!r} has shape {tuple(value.shape)}; loggers take scalars "
                         "(log a reduction such as value.mean())"
                     )
-                groups.setdefault((value.device, value.dtype), []).append((name, value))
+                tensors.append((name, value.detach() if value.requires_grad else value))
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 row[name] = float(value)
             else:
                 raise TypeError(f"logged metric {name!r} is a {type(value).__name__}; log a number or a scalar tensor")
-        for items in groups.values():
-            tensors = [t.detach() if t.requires_grad else t for _, t in items]
-            pack = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in tensors])  # a copy
+        if len(tensors) == 1:  # the common case (the loss), kept to one small copy
+            name, t = tensors[0]
+            pack = t.clone() if t.dim() == 0 else t.reshape(()).clone()
             self._packs.append(pack)
-            row.update((name, (pack, i)) for i, (name, _) in enumerate(items))
+            row[name] = (pack, 0)
+        elif tensors:
+            groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+            for name, t in tensors:
+                groups.setdefault((t.device, t.dtype), []).append((name, t))
+            for items in groups.values():
+                pack = torch.stack([t if t.dim() == 0 else t.reshape(()) for _, t in items])  # a copy
+                self._packs.append(pack)
+                row.update((name, (pack, i)) for i, (name, _) in enumerate(items))
         self._rows.append((int(step), epoch, row))
         return len(self._rows)
 
@@ -112,7 +120,7 @@ class MetricBuffer:
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         narrow: dict[torch.device, list[bool]] = {}
         for (device, dtype), same in by_key.items():
-            joined = torch.cat(same)
+            joined = _join(same)
             if len(by_key) > 1 or dtype not in (torch.float32, torch.float64):
                 # float64 keeps int metrics exact when dtypes are mixed; MPS has no float64.
                 joined = joined.to(torch.float32 if device.type == "mps" else torch.float64)
@@ -130,6 +138,13 @@ class MetricBuffer:
 
 
 _NARROW = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _join(packs: list[torch.Tensor]) -> torch.Tensor:
+    """One 1-d tensor of every value in ``packs`` (0-d single values and 1-d stacks), in order."""
+    if all(p.dim() == 0 for p in packs):
+        return torch.stack(packs)
+    return torch.cat([p.reshape(-1) for p in packs])
 
 
 def _value(v: Any, values: dict[torch.device, list[float]], offsets: dict[int, int]) -> float:

@@ -61,13 +61,16 @@ def check(rig: torchrig.Rig) -> str:
     loader = rig.prepare(DataLoader(list(range(5)), batch_size=2))
     seen_ids = torch.cat([rig.gather_for_metrics(batch) for batch in loader])
     assert seen_ids.tolist() == [0, 1, 2, 3, 4], seen_ids
-    return f"ok world={world}"
+    # a result far larger than a pipe buffer (and holding a tensor) must come back whole
+    return f"ok world={world}", torch.arange(1_000_000)
 
 
 def main() -> None:
     strategy = sys.argv[1] if len(sys.argv) > 1 else "ddp_spawn"
     rig = torchrig.Rig(accelerator="cpu", devices=2, strategy=strategy)
-    print("result:", rig.launch(check), flush=True)
+    summary, big = rig.launch(check)
+    assert torch.equal(big, torch.arange(1_000_000)), "rank 0's large result was corrupted"
+    print("result:", summary, flush=True)
 
 
 if __name__ == "__main__":
