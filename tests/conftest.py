@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from torchrig import ACCELERATOR_REGISTRY, STRATEGY_REGISTRY  # noqa: E402
+
+_BUILTIN_ENTRIES = [(r, dict(r._entries)) for r in (ACCELERATOR_REGISTRY, STRATEGY_REGISTRY)]
+
 
 @pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in (
         "TORCHRIG_ACCELERATOR",
         "TORCHRIG_DEVICES",
@@ -23,6 +28,17 @@ def _isolate(monkeypatch: pytest.MonkeyPatch) -> None:
     ):
         monkeypatch.delenv(var, raising=False)
     torch.manual_seed(0)
+    # Registries are process-global, and defining or importing an accelerator/strategy class
+    # registers it (even while test modules are collected): every test starts from the built-ins.
+    _restore_registries()
+    yield
+    _restore_registries()
+
+
+def _restore_registries() -> None:
+    for registry, entries in _BUILTIN_ENTRIES:
+        registry._entries.clear()
+        registry._entries.update(entries)
 
 
 def python_env() -> dict[str, str]:
@@ -35,3 +51,13 @@ def python_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests under tests/gpu are marked ``gpu`` and skipped cleanly without an accelerator."""
+    has_accelerator = torch.accelerator.is_available()
+    for item in items:
+        if "/tests/gpu/" in str(item.path).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+            if not has_accelerator:
+                item.add_marker(pytest.mark.skip(reason="no accelerator (torch.accelerator.is_available() is False)"))

@@ -15,7 +15,17 @@ from torchrig.trainer.cli import CLI
 from torchrig.trainer.loggers import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_script import Line, Regressor
+from cli_script import Line, Regressor, custom_accelerator
+
+
+@pytest.fixture(autouse=True)
+def _xpu_sim_registered() -> None:
+    # conftest resets the registries to the built-ins before every test; the CLI tests select the
+    # example's accelerator by name, as a user's script that imports it would.
+    from torchrig import ACCELERATOR_REGISTRY
+
+    custom_accelerator.XPUAccelerator.register_accelerators(ACCELERATOR_REGISTRY)
+
 
 SCRIPT = Path(__file__).resolve().parent / "cli_script.py"
 
@@ -32,6 +42,7 @@ def summary(proc: subprocess.CompletedProcess[str]) -> dict:
     return json.loads(line.removeprefix("SUMMARY "))
 
 
+@pytest.mark.slow  # three subprocesses, each importing torch: about 15 s here, a minute on a busy machine
 @pytest.mark.timeout(300)
 def test_fit_with_a_yaml_config_then_test_from_the_checkpoint(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"

@@ -241,10 +241,11 @@ class _BufferedLogger(Logger):
         """Buffer ``metrics`` at ``step`` (tensors stay on their device); flushes every n steps."""
         if not self.is_writer:
             return
-        metrics = dict(metrics)
-        epoch = metrics.pop("epoch", None)
-        if epoch is None and self._trainer is not None:
-            epoch = getattr(self._trainer, "current_epoch", None)
+        epoch = metrics.get("epoch")
+        if epoch is None:
+            epoch = getattr(self._trainer, "current_epoch", None) if self._trainer is not None else None
+        else:
+            metrics = {k: v for k, v in metrics.items() if k != "epoch"}
         epoch_int = None if epoch is None else int(epoch)
         if self._buffer.add(metrics, step=step, epoch=epoch_int) >= self.flush_every_n_steps:
             self.flush()
