@@ -71,7 +71,7 @@ class Rig:
         self._prepared: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._loaders: list[RigDataLoader] = []
         self._launched = False
-        if not getattr(self.strategy, "needs_launch", False):
+        if not self.strategy.needs_launch:
             self.strategy.setup_environment()
             self._launched = True
 
@@ -188,7 +188,7 @@ class Rig:
     def _setup_module(self, module: nn.Module) -> RigModule:
         module = self.precision.convert_module(module)
         on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-        if on_meta and not getattr(self.strategy, "materializes_meta", False):
+        if on_meta and not self.strategy.materializes_meta:
             materialize(module, self.device)
         forward_module = self.strategy.setup_module(module)
         return RigModule(forward_module=forward_module, module=module, precision=self.precision, device=self.device)
@@ -215,9 +215,7 @@ class Rig:
             loader, seed=seed, num_replicas=self.world_size, rank=self.global_rank, pin_memory=pin
         )
         if rebuilt is None and self.world_size > 1:
-            rebuilt = (
-                self.strategy.process_dataloader(loader) if hasattr(self.strategy, "process_dataloader") else loader
-            )
+            rebuilt = self.strategy.process_dataloader(loader)
         wrapped = RigDataLoader(rebuilt if rebuilt is not None else loader, device=self.device, seed=seed)
         self._loaders.append(wrapped)
         return wrapped

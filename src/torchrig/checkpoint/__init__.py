@@ -74,9 +74,9 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     """
     import safetensors.torch
 
+    from torchrig.checkpoint.core import module_files, read_tensor_files
     from torchrig.checkpoint.files import VerifiedReader, durable, fsync_dir
     from torchrig.checkpoint.sharded import consolidate_dcp
-    from torchrig.checkpoint.state import from_safetensors_file
 
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
@@ -85,7 +85,7 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     else:
         with VerifiedReader(folder, meta) as reader:
             per_module = {
-                k: reader.read(e["file"], lambda p: from_safetensors_file(p))
+                k: read_tensor_files(reader, module_files(e))
                 for k, e in meta["entries"].items()
                 if e["kind"] == "module"
             }

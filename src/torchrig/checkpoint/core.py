@@ -37,9 +37,15 @@ from torchrig.checkpoint.state import (
     capture_rng,
     check_key,
     compare_module,
-    from_safetensors_file,
+    extract_tensors,
+    for_safetensors,
     is_stateful,
+    read_safetensors,
     restore_rng,
+    restore_tensors,
+    retie,
+    shard,
+    shard_names,
     split_module_state,
     summary_values,
     unwrap_module,
@@ -47,6 +53,7 @@ from torchrig.checkpoint.state import (
 )
 
 STATE_FILE = "state.pt"
+STATE_TENSORS = "state.pt@tensors"  # large tensors of state.pt (optimizer moments); keys cannot hold "@"
 
 
 def _qualname(obj: Any) -> str:
@@ -136,6 +143,37 @@ def check_weights_only(blob: dict[str, Any]) -> None:
         )
 
 
+def _add_tensor_files(files: FileSet, prefix: str, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Queue ``tensors`` as one or more safetensors files (tied ones stored once); their names."""
+    out, metadata = for_safetensors(tensors)
+    groups = shard(out)
+    names = shard_names(prefix, len(groups))
+    for name, group in zip(names, groups, strict=True):
+        files.add(name, functools.partial(write_safetensors, tensors=group, metadata=metadata))
+    return names
+
+
+def _count_params(sd: dict[str, torch.Tensor]) -> int:
+    unique = {(t.data_ptr(), t.shape, t.dtype): t for t in sd.values()}  # tied weights count once
+    return sum(t.numel() for t in unique.values() if t.is_floating_point() or t.is_complex())
+
+
+def read_tensor_files(reader: VerifiedReader, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors files ``names`` (one entry, maybe several shards), on CPU."""
+    merged: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
+    for name in names:
+        tensors, meta = reader.read(name, read_safetensors)
+        merged.update(tensors)
+        metadata.update(meta)
+    return retie(merged, metadata)
+
+
+def module_files(entry: dict[str, Any]) -> list[str]:
+    """The safetensors files of a module entry (format 1 had one, ``file``)."""
+    return list(entry["files"] if "files" in entry else [entry["file"]])
+
+
 def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | None, link: str | None) -> None:
     """Rank zero: write every file into a temp dir, fsync, then rename it into place."""
     check_weights_only(payload["blob"])  # fails before any file is touched
@@ -143,15 +181,19 @@ def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | N
     remove_stale_temps(target.parent)
     tmp = temp_dir_for(target)
     try:
-        tensors = params = 0
         with FileSet(tmp) as files:
-            files.add(STATE_FILE, functools.partial(write_torch, obj=payload["blob"]))
+            blob, external, where = extract_tensors(payload["blob"])
+            names = _add_tensor_files(files, STATE_TENSORS, external) if external else []
+            blob["external"] = {"files": names, "where": where}
+            files.add(STATE_FILE, functools.partial(write_torch, obj=blob))
             for key, sd in payload["modules"].items():
-                files.add(f"{key}.safetensors", functools.partial(write_safetensors, tensors=sd))
-                unique = {(t.data_ptr(), t.shape, t.dtype): t for t in sd.values()}  # tied weights count once
-                tensors += len(sd)
-                params += sum(t.numel() for t in unique.values() if t.is_floating_point() or t.is_complex())
+                entry = payload["entries"][key]
+                entry["files"] = _add_tensor_files(files, key, sd)
+                if len(entry["files"]) > 1:
+                    del entry["file"]  # format 1 readers would see only the first shard
             table = files.finish()
+        tensors = sum(len(sd) for sd in payload["modules"].values())
+        params = sum(_count_params(sd) for sd in payload["modules"].values())
         meta = base_meta(rig, payload["entries"], payload["blob"]["values"])
         meta.update(sharded=False, files=table, tensors=tensors, parameters=params)
         write_meta(tmp, meta)
@@ -204,7 +246,7 @@ def save(
         )
     for key in state:
         check_key(key)
-    if getattr(rig.strategy, "sharded", False):
+    if rig.strategy.sharded:
         return sharded.save(rig, target, state, keep_last=keep_last, link=link)
     payload = collect(rig, state)
     error: BaseException | None = None
@@ -268,13 +310,21 @@ def load(
             "(pass strict=False to load only what is there)"
         )
     with VerifiedReader(folder, meta, verify=verify) as reader:
+        for name in meta["files"]:
+            reader.path(name)  # every file's hash starts now, on a pool of threads
         blob = reader.read(STATE_FILE, lambda p: safe_torch_load(p, map_location=device))
+        external = blob.pop("external", None) or {"files": [], "where": []}
+        extracted = read_tensor_files(reader, external["files"])
         tensors = {
-            key: reader.read(e["file"], lambda p: from_safetensors_file(p, "cpu"))
-            for key, e in entries.items()
-            if e["kind"] == "module"
+            key: read_tensor_files(reader, module_files(e)) for key, e in entries.items() if e["kind"] == "module"
         }
         reader.check()  # nothing is touched unless every file is intact
+    try:
+        restore_tensors(blob, external["where"], extracted, device)
+    except (KeyError, IndexError, TypeError) as err:
+        raise CheckpointError(
+            f"{folder / STATE_FILE} does not match its tensor files ({err!r}); the checkpoint is damaged"
+        ) from err
     return _apply(rig, folder, entries, blob, tensors, state, strict=strict, device=device)
 
 

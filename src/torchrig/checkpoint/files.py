@@ -25,7 +25,7 @@ import torch
 
 META = "meta.json"
 FORMAT = "torchrig.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tensors may be split over several safetensors files
 _CHUNK = 16 << 20
 
 

@@ -17,6 +17,8 @@ from torch import nn
 from torchrig.checkpoint.files import CheckpointError
 
 ALIASES_KEY = "torchrig.aliases"
+SHARD_BYTES = 256 << 20  # safetensors files are cut at about this size
+EXTRACT_BYTES = 1 << 20  # tensors of the other state this large go to safetensors files
 _SHOW = 8
 
 
@@ -71,13 +73,12 @@ def for_safetensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return out, {ALIASES_KEY: json.dumps(aliases)}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write ``tensors`` (tied ones once) to ``path``, fsynced; returns the file's SHA-256."""
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """Write ``tensors`` (ready for safetensors) to ``path``, fsynced; returns the file's SHA-256."""
     from torchrig.checkpoint.files import durable, sha256_file
 
-    out, metadata = for_safetensors(tensors)
-    safetensors.torch.save_file(out, str(path), metadata=metadata)  # straight from tensor memory
-    # The hash re-reads the file from the page cache while the disk flushes it.
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)  # straight from tensor memory
+    # The hash reads the file back from the page cache while the disk flushes it: no extra copy.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-fsync") as pool:
         flushed = pool.submit(durable, path)
         digest = sha256_file(path)
@@ -85,14 +86,106 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     return digest
 
 
-def from_safetensors_file(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Tensors of a file written by :func:`write_safetensors` on ``device``, tied tensors re-tied."""
+def shard(tensors: dict[str, torch.Tensor], max_bytes: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """``tensors`` in order, cut into groups of about ``max_bytes`` (default :data:`SHARD_BYTES`).
+
+    Several files are written, fsynced, hashed and verified on several threads at once: SHA-256
+    runs at about 1 GB/s per core, so one big file would keep one core busy while others idle.
+    """
+    limit = SHARD_BYTES if max_bytes is None else max_bytes
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        if groups[-1] and size + t.nbytes > limit:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += t.nbytes
+    return groups
+
+
+def shard_names(prefix: str, n: int) -> list[str]:
+    """``model.safetensors`` for one file, ``model@00000.safetensors``... for several.
+
+    State keys cannot hold ``@``, so these names never meet another entry's file.
+    """
+    return [f"{prefix}.safetensors"] if n == 1 else [f"{prefix}@{i:05d}.safetensors" for i in range(n)]
+
+
+def read_safetensors(path: Path, device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of one safetensors file."""
     with safetensors.safe_open(str(path), framework="pt", device=str(device)) as f:  # type: ignore[no-untyped-call]
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         meta = f.metadata() or {}
-    for alias, name in json.loads(meta.get(ALIASES_KEY, "{}")).items():
+    return tensors, meta
+
+
+def retie(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Put back the tied tensors :func:`for_safetensors` stored once."""
+    for alias, name in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
         tensors[alias] = tensors[name]
     return tensors
+
+
+def from_safetensors_file(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Tensors of a one-file module written by :func:`write_safetensors`, tied tensors re-tied."""
+    return retie(*read_safetensors(path, device))
+
+
+# -- large tensors of the other state -> safetensors ---------------------------------------
+_EXTRACT_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+}  # fmt: skip
+
+
+def _extractable(t: Any, min_bytes: int, seen: set[int]) -> bool:
+    """A plain tensor that owns all of its storage: safetensors keeps everything about it."""
+    if type(t) is not torch.Tensor or t.requires_grad or t.layout != torch.strided or t.device.type == "meta":
+        return False
+    if t.dtype not in _EXTRACT_DTYPES or t.nbytes < min_bytes or not t.is_contiguous() or t.storage_offset():
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    if t.untyped_storage().nbytes() != t.nbytes or ptr in seen:
+        return False  # a view, or storage shared with another tensor: torch.save keeps that sharing
+    seen.add(ptr)
+    return True
+
+
+def extract_tensors(obj: Any, min_bytes: int | None = None) -> tuple[Any, dict[str, torch.Tensor], list[Any]]:
+    """``obj`` with its large tensors replaced by ``None``, those tensors, and where they were.
+
+    Only plain dicts (str/int keys) and lists are walked; the places (key paths) go into the
+    pickle, which is itself checksummed, and :func:`restore_tensors` puts the tensors back.
+    Optimizer moments thus go to safetensors files, hashed and read on several threads.
+    """
+    limit = EXTRACT_BYTES if min_bytes is None else min_bytes
+    tensors: dict[str, torch.Tensor] = {}
+    where: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(x: Any, path: list[Any]) -> Any:
+        if type(x) is dict:
+            return {k: walk(v, [*path, k]) if type(k) in (str, int) else v for k, v in x.items()}
+        if type(x) is list:
+            return [walk(v, [*path, i]) for i, v in enumerate(x)]
+        if path and _extractable(x, limit, seen):
+            name = f"t{len(tensors)}"
+            tensors[name] = x
+            where.append([path, name])
+            return None
+        return x
+
+    return walk(obj, []), tensors, where
+
+
+def restore_tensors(obj: Any, where: list[Any], tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Undo :func:`extract_tensors` in place, the tensors moved to ``device``."""
+    for path, name in where:
+        node = obj
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = tensors[name].to(device)
 
 
 # -- mismatch reports ----------------------------------------------------------------------

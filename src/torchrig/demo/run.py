@@ -77,7 +77,7 @@ def _choose_run_dir(root_dir: Path, resume: bool) -> Path:
 
 def _attach_run_dir(trainer: Trainer, root_dir: Path, resume: bool) -> Path:
     """Pick the run directory once (rank zero) and give every process the same logger and checkpoints."""
-    launched_later = bool(getattr(trainer.rig.strategy, "needs_launch", False))
+    launched_later = trainer.rig.strategy.needs_launch
     run_dir = _choose_run_dir(root_dir, resume) if trainer.is_global_zero or launched_later else None
     if not launched_later:  # the processes exist already: rank zero's choice is everyone's
         run_dir = trainer.rig.broadcast(run_dir)

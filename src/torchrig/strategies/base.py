@@ -31,6 +31,10 @@ class Strategy:
 
     #: True when the strategy runs more than one process and shards data across them.
     distributed: ClassVar[bool] = False
+    #: True when checkpoints are written as shards by every rank (torch.distributed.checkpoint).
+    sharded: ClassVar[bool] = False
+    #: True when ``setup_module`` itself materialises parameters created on ``meta``.
+    materializes_meta: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.accelerator: Accelerator | None = None
@@ -70,6 +74,11 @@ class Strategy:
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
 
+    @property
+    def needs_launch(self) -> bool:
+        """True when the processes exist only once ``Rig.launch`` starts them (spawn, fork)."""
+        return False
+
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` in every process of the run; here, just this one."""
         return fn(*args, **kwargs)
@@ -85,6 +94,10 @@ class Strategy:
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
+
+    def process_dataloader(self, loader: Any) -> Any:
+        """A loader ``Rig.prepare`` could not rebuild with its own sampler; returned as is here."""
+        return loader
 
     def module_init_context(self, empty_init: bool) -> contextlib.AbstractContextManager[Any]:
         """Where ``Rig.init_module`` creates parameters: on the device, or on ``meta``."""

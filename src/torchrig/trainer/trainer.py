@@ -293,7 +293,7 @@ class Trainer:
 
     # -- plumbing shared with runner/loops -------------------------------------------------------
     def _launch(self, body: Callable[..., Any], *args: Any) -> Any:
-        spawned = bool(getattr(self.rig.strategy, "needs_launch", False))
+        spawned = self.rig.strategy.needs_launch
         out = self.rig.launch(_worker, self, body, spawned, *args)
         if spawned and isinstance(out, bytes):  # rank 0 of the started processes sent its results
             back = torch.load(io.BytesIO(out), weights_only=True)
