@@ -295,8 +295,11 @@ class VerifiedReader:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="torchrig-verify")
         self._hashes: dict[str, Future[str]] = {}
 
-    def path(self, name: str) -> Path:
-        """The path of ``name`` after checking it is listed and has the listed size."""
+    def path(self, name: str, *, hashing: bool = True) -> Path:
+        """The path of ``name`` after checking it is listed and has the listed size.
+
+        With ``hashing`` (and ``verify``), its SHA-256 starts on the pool, for :meth:`check`.
+        """
         entry = self.meta.get("files", {}).get(name)
         path = self.folder / name
         if entry is None:
@@ -310,21 +313,44 @@ class VerifiedReader:
                 f"{path} is {size} bytes but {META} says {entry['size']}: the file was truncated or altered "
                 "(checksum mismatch); refusing to load it"
             )
-        if self.verify and name not in self._hashes:
+        if hashing and self.verify and name not in self._hashes:
             self._hashes[name] = self._pool.submit(sha256_file, path)
         return path
 
     def check(self, name: str | None = None) -> None:
         """Raise :class:`CheckpointError` naming the file whose SHA-256 differs from ``meta.json``."""
         for n in [name] if name is not None else list(self._hashes):
-            if n not in self._hashes:
-                continue
-            digest, want = self._hashes[n].result(), self.meta["files"][n]["sha256"]
-            if digest != want:
-                raise CheckpointError(
-                    f"checksum mismatch in {self.folder / n}: SHA-256 is {digest}, {META} says {want}; "
-                    "the file was altered or corrupted, refusing to load it"
-                )
+            if n in self._hashes:
+                self.compare(n, self._hashes[n].result())
+
+    def compare(self, name: str, digest: str) -> None:
+        """Raise :class:`CheckpointError` if ``digest`` is not the SHA-256 ``meta.json`` lists for ``name``."""
+        want = self.meta["files"][name]["sha256"]
+        if digest != want:
+            raise CheckpointError(
+                f"checksum mismatch in {self.folder / name}: SHA-256 is {digest}, {META} says {want}; "
+                "the file was altered or corrupted, refusing to load it"
+            )
+
+    def submit(self, name: str, fn: Callable[[Path, bool], tuple[Any, str | None]]) -> Future[Any]:
+        """Run ``fn(path, hashing) -> (result, SHA-256 of the bytes it read)`` on the pool.
+
+        The future gives ``result`` only once the digest matches ``meta.json``: ``fn`` reads the
+        file once, and the bytes it hashed are the bytes it deserialized.
+        """
+        path = self.path(name, hashing=False)
+        return self._pool.submit(self._run, name, path, fn)
+
+    def _run(self, name: str, path: Path, fn: Callable[[Path, bool], tuple[Any, str | None]]) -> Any:
+        try:
+            result, digest = fn(path, self.verify)
+        except Exception as err:
+            if self.verify:  # a damaged file is the likely cause: say so first
+                self.compare(name, sha256_file(path))
+            raise CheckpointError(f"could not read {path}: {type(err).__name__}: {err}") from err
+        if digest is not None:
+            self.compare(name, digest)
+        return result
 
     def read(self, name: str, fn: Callable[[Path], Any]) -> Any:
         """``fn(path)``; if it fails, a checksum mismatch is reported first (it is the likely cause)."""

@@ -93,6 +93,8 @@ def _process_start() -> float:
 
 def _what_was_trained(result: DemoResult) -> str:
     first, last, seconds = result.first_epoch, result.epochs, result.fit_seconds
+    if first is None and result.spawned:
+        return f"trained up to epoch {last} in {result.processes} worker processes in {seconds:.1f} s"
     if first is None:
         return f"no epoch trained: the run already has {last}; raise --max-epochs to train more"
     if first == 0:

@@ -37,6 +37,7 @@ class DemoResult:
     test_images: int
     first_epoch: int | None
     epochs: int
+    spawned: bool
     fit_seconds: float
     total_seconds: float
     png: Path | None
@@ -161,6 +162,7 @@ def run_demo(
         enable_checkpointing=False,
         seed=seed,
     )
+    spawned = trainer.rig.strategy.needs_launch  # callbacks then run in the workers, not here
     run_dir = _attach_run_dir(trainer, root, resume)
     first_epoch = _FirstEpoch()
     trainer.callbacks.insert(0, first_epoch)
@@ -189,6 +191,7 @@ def run_demo(
         test_images=len(data.loaded().test),
         first_epoch=first_epoch.epoch,
         epochs=trainer.current_epoch,
+        spawned=spawned,
         fit_seconds=fit_seconds,
         total_seconds=time.perf_counter() - started,
         png=png,

@@ -77,11 +77,15 @@ class MetricBuffer:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def add(self, metrics: dict[str, float | torch.Tensor], *, step: int, epoch: int | None) -> int:
-        """Buffer one row; returns how many rows are buffered. No host sync."""
+    def add(
+        self, metrics: dict[str, float | torch.Tensor], *, step: int, epoch: int | None, skip: str | None = None
+    ) -> int:
+        """Buffer one row (without the item named ``skip``); returns how many rows are buffered. No host sync."""
         row: dict[str, Any] = {}
         tensors: list[tuple[str, torch.Tensor]] = []
         for name, value in metrics.items():
+            if name == skip:
+                continue
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise ValueError(
@@ -202,6 +206,7 @@ class _BufferedLogger(Logger):
         self.flush_every_n_steps = flush_every_n_steps
         self._rank_zero = rank_zero
         self._trainer: Trainer | None = None
+        self._writer: bool | None = None  # is_writer, once known
         self._buffer = MetricBuffer()
 
     # -- identity --------------------------------------------------------------------------
@@ -232,22 +237,27 @@ class _BufferedLogger(Logger):
             return bool(getattr(self._trainer, "is_global_zero", True))
         return int(os.environ.get("RANK", "0")) == 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy sent to a started process asks its own rank again.
+        return {**self.__dict__, "_writer": None}
+
     def attach(self, trainer: Trainer) -> None:
         """Called by the Trainer before it logs: rank and epoch are then read from it."""
-        self._trainer = trainer
+        self._trainer, self._writer = trainer, None
 
     # -- the Logger interface --------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, float | torch.Tensor], step: int) -> None:
         """Buffer ``metrics`` at ``step`` (tensors stay on their device); flushes every n steps."""
-        if not self.is_writer:
+        writer = self._writer
+        if writer is None:  # asked once: the rank of a process does not change
+            writer = self._writer = self.is_writer
+        if not writer:
             return
         epoch = metrics.get("epoch")
         if epoch is None:
             epoch = getattr(self._trainer, "current_epoch", None) if self._trainer is not None else None
-        else:
-            metrics = {k: v for k, v in metrics.items() if k != "epoch"}
         epoch_int = None if epoch is None else int(epoch)
-        if self._buffer.add(metrics, step=step, epoch=epoch_int) >= self.flush_every_n_steps:
+        if self._buffer.add(metrics, step=step, epoch=epoch_int, skip="epoch") >= self.flush_every_n_steps:
             self.flush()
 
     def log_hyperparams(self, params: dict[str, Any] | Any) -> None:

@@ -140,6 +140,11 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
     state = tr.fit_state
     val_every = tr._val_check_batches(n)
     validate_epoch = tr._has_validation() and (state.epoch + 1) % tr.check_val_every_n_epoch == 0
+    val_at_last = isinstance(tr.val_check_interval, float)
+    # Worked out once per epoch, not per batch: the hot loop only calls what does something.
+    batch_end, module = tr._hooks("on_train_batch_end"), tr._require_module()
+    timed = tr.max_time is not None
+    tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
     while state.batch_idx < n:
         batch_idx = state.batch_idx
         try:
@@ -149,13 +154,14 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
         is_last = batch_idx + 1 >= n
         output = train_batch(tr, batch, batch_idx, is_last)
         state.batch_idx = batch_idx + 1
-        state.val_pending = validate_epoch and (
-            state.batch_idx % val_every == 0 or (is_last and isinstance(tr.val_check_interval, float))
-        )
-        tr._call_callbacks("on_train_batch_end", output, batch, batch_idx)
+        if validate_epoch:
+            state.val_pending = state.batch_idx % val_every == 0 or (is_last and val_at_last)
+        for hook in batch_end:
+            hook(tr, module, output, batch, batch_idx)
         if state.val_pending:
             _validate_in_fit(tr)
-        if tr._time_is_up():
+            tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
+        if timed and tr._time_is_up():
             tr.should_stop = True
         if tr.should_stop or _fit_done(tr):
             break
@@ -163,15 +169,21 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
 
 def train_batch(tr: Trainer, batch: Any, batch_idx: int, is_last: bool) -> Any:
     """One micro-batch: forward, backward, and at an accumulation boundary the optimizer step."""
-    rig, prepared, accumulate = tr.rig, tr._prepared_module, tr.accumulate_grad_batches
+    prepared, accumulate = tr._prepared_module, tr.accumulate_grad_batches
     assert prepared is not None
-    boundary = (batch_idx + 1) % accumulate == 0 or is_last
-    tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
-    with rig.no_backward_sync(prepared, enabled=not boundary):
+    if accumulate == 1:  # every batch is a boundary: no context manager, no division
         output = call_step(prepared, prepared.module.training_step, batch, batch_idx)
         loss = loss_of(output)
         if loss is not None:
-            rig.backward(loss / accumulate if accumulate > 1 else loss)
+            tr.rig.backward(loss)
+        optimizer_step(tr)
+        return output
+    boundary = (batch_idx + 1) % accumulate == 0 or is_last
+    with tr.rig.no_backward_sync(prepared, enabled=not boundary):
+        output = call_step(prepared, prepared.module.training_step, batch, batch_idx)
+        loss = loss_of(output)
+        if loss is not None:
+            tr.rig.backward(loss / accumulate)
     if boundary:
         optimizer_step(tr)
     return output
@@ -179,23 +191,26 @@ def train_batch(tr: Trainer, batch: Any, batch_idx: int, is_last: bool) -> Any:
 
 def optimizer_step(tr: Trainer) -> None:
     """Clip, step and zero every optimizer, step the per-step schedulers, log every n steps."""
-    rig, prepared = tr.rig, tr._prepared_module
-    assert prepared is not None
+    optimizers = tr.optimizers
     if tr.gradient_clip_val is not None:
-        by_norm = tr.gradient_clip_algorithm == "norm"
-        for opt in tr.optimizers:
-            clip = tr.gradient_clip_val
-            rig.clip_gradients(prepared, opt, max_norm=clip if by_norm else None, clip_val=None if by_norm else clip)
-    for opt in tr.optimizers:
+        prepared = tr._prepared_module
+        assert prepared is not None
+        by_norm, clip = tr.gradient_clip_algorithm == "norm", tr.gradient_clip_val
+        for opt in optimizers:
+            tr.rig.clip_gradients(prepared, opt, max_norm=clip if by_norm else None, clip_val=None if by_norm else clip)
+    for opt in optimizers:
         opt.step()
-    for opt in tr.optimizers:
+    for opt in optimizers:
         opt.zero_grad()
-    tr.fit_state.global_step += 1
-    step_schedulers(tr, "step", tr.fit_state.global_step)
-    if tr.fit_state.global_step % tr.log_every_n_steps == 0:
+    state = tr.fit_state
+    state.global_step += 1
+    if tr.lr_scheduler_configs:
+        step_schedulers(tr, "step", state.global_step)
+    if state.global_step % tr.log_every_n_steps == 0:
         values = tr._train_metrics.step_values(for_logger=True)
         if values:
-            tr._log_to_loggers({**values, "epoch": tr.fit_state.epoch})
+            values["epoch"] = state.epoch
+            tr._log_to_loggers(values)
 
 
 def step_schedulers(tr: Trainer, interval: str, count: int) -> None:

@@ -114,6 +114,7 @@ def _begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
             "subclass torchrig.TrainingModule (or use torchrig.Rig with a plain nn.Module)"
         )
     tr.module, tr._stage, tr.interrupted = module, stage, False
+    tr._refresh_hooks()
     module._trainer = tr
     if tr.seed is not None:
         tr.rig.seed_everything(tr.seed)

@@ -150,6 +150,7 @@ class Trainer:
         self._log_suffix = ""
         self._epoch_metrics: dict[str, torch.Tensor] = {}
         self._logged: dict[str, Any] = {}
+        self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
         self._stage: str | None = None
         self._resumed = False
         self._started_at = time.monotonic()
@@ -294,6 +295,7 @@ class Trainer:
     # -- plumbing shared with runner/loops -------------------------------------------------------
     def _launch(self, body: Callable[..., Any], *args: Any) -> Any:
         spawned = self.rig.strategy.needs_launch
+        self._refresh_hooks()  # no bound methods travel to started processes
         out = self.rig.launch(_worker, self, body, spawned, *args)
         if spawned and isinstance(out, bytes):  # rank 0 of the started processes sent its results
             back = torch.load(io.BytesIO(out), weights_only=True)
@@ -315,13 +317,35 @@ class Trainer:
 
     def _call_callbacks(self, event: str, *args: Any) -> None:
         module = self._require_module()
-        for cb in self.callbacks:
-            getattr(cb, event)(self, module, *args)
+        for hook in self._hooks(event):
+            hook(self, module, *args)
+
+    def _hooks(self, event: str) -> list[Callable[..., Any]]:
+        """The callbacks' ``event`` methods that do something (overridden), bound, in order.
+
+        Worked out once per event and run (see :meth:`_refresh_hooks`), so an event nobody
+        overrides costs no call at all, which matters for the per-batch ones.
+        """
+        found = self._hook_cache.get(event)
+        if found is None:
+            base = getattr(Callback, event)
+            found = [
+                getattr(cb, event)
+                for cb in self.callbacks
+                if event in getattr(cb, "__dict__", ()) or getattr(type(cb), event, base) is not base
+            ]
+            self._hook_cache[event] = found
+        return found
+
+    def _refresh_hooks(self) -> None:
+        """Forget the hook lists (``callbacks`` may have changed since the last run)."""
+        self._hook_cache.clear()
 
     def _log_to_loggers(self, metrics: dict[str, Any]) -> None:
         self._logged = metrics
+        step = self.fit_state.global_step
         for lg in self.loggers:
-            lg.log_metrics(metrics, step=self.fit_state.global_step)
+            lg.log_metrics(metrics, step=step)
 
     def _has_validation(self) -> bool:
         module = self._require_module()
