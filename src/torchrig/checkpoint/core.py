@@ -7,6 +7,7 @@ import functools
 import io
 import os
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from torchrig.checkpoint.state import (
     extract_tensors,
     for_safetensors,
     is_stateful,
-    read_safetensors,
+    read_safetensors_once,
     restore_rng,
     restore_tensors,
     retie,
@@ -158,15 +159,26 @@ def _count_params(sd: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() for t in unique.values() if t.is_floating_point() or t.is_complex())
 
 
-def read_tensor_files(reader: VerifiedReader, names: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors of the safetensors files ``names`` (one entry, maybe several shards), on CPU."""
+def read_tensor_files(
+    reader: VerifiedReader, names: list[str], jobs: dict[str, Future[Any]] | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors files ``names`` (one entry, maybe several shards), on CPU.
+
+    ``jobs`` holds reads already started by :func:`start_tensor_reads`; each is verified.
+    """
     merged: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
     for name in names:
-        tensors, meta = reader.read(name, read_safetensors)
+        job = (jobs or {}).get(name) or reader.submit(name, read_safetensors_once)
+        tensors, meta = job.result()
         merged.update(tensors)
         metadata.update(meta)
     return retie(merged, metadata)
+
+
+def start_tensor_reads(reader: VerifiedReader, meta: dict[str, Any]) -> dict[str, Future[Any]]:
+    """Read and hash every safetensors file of the checkpoint at once, on the reader's threads."""
+    return {n: reader.submit(n, read_safetensors_once) for n in meta["files"] if n.endswith(".safetensors")}
 
 
 def module_files(entry: dict[str, Any]) -> list[str]:

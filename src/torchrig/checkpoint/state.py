@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -118,6 +121,71 @@ def read_safetensors(path: Path, device: torch.device | str = "cpu") -> tuple[di
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         meta = f.metadata() or {}
     return tensors, meta
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def read_safetensors_once(
+    path: Path, hashing: bool
+) -> tuple[tuple[dict[str, torch.Tensor], dict[str, str]], str | None]:
+    """Tensors and metadata of a safetensors file read once, and the SHA-256 of the bytes read.
+
+    Each tensor's bytes are read straight into its own memory (one copy, like ``torch.load``)
+    and hashed there, so what is verified is exactly what is returned; nothing is mapped from
+    the file afterwards. The header is checked against the file size before anything is
+    allocated. Dtypes this reader does not list go through ``safetensors.torch.load``.
+    """
+    digest = hashlib.sha256() if hashing else None
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = _read_exact(f, 8)
+        n = int.from_bytes(head, "little")
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"header length {n} does not fit in the {size}-byte file")
+        raw = _read_exact(f, n)
+        header = json.loads(raw)
+        metadata = header.pop("__metadata__", None) or {}
+        if any(info.get("dtype") not in _ST_DTYPES for info in header.values()):
+            data = head + raw + f.read()
+            return (safetensors.torch.load(data), metadata), hashlib.sha256(data).hexdigest() if hashing else None
+        if digest is not None:
+            digest.update(head)
+            digest.update(raw)
+        tensors, pos = {}, 0
+        for (begin, end), name, info in sorted((tuple(v["data_offsets"]), k, v) for k, v in header.items()):
+            dtype, shape = _ST_DTYPES[info["dtype"]], [int(d) for d in info["shape"]]
+            if begin != pos or end - begin != math.prod(shape) * dtype.itemsize or end > size - 8 - n:
+                raise ValueError(f"tensor {name!r} has data_offsets {[begin, end]}, which do not fit the file")
+            t = torch.empty(shape, dtype=dtype)
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            _readinto_exact(f, view)
+            if digest is not None:
+                digest.update(view)  # releases the GIL: other files are read and hashed meanwhile
+            tensors[name], pos = t, end
+        if pos != size - 8 - n:
+            raise ValueError(f"{size - 8 - n - pos} bytes after the last tensor")
+    return (tensors, metadata), None if digest is None else digest.hexdigest()
+
+
+def _read_exact(f: Any, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise ValueError(f"file ends early: wanted {n} bytes, got {len(data)}")
+    return bytes(data)
+
+
+def _readinto_exact(f: Any, view: memoryview) -> None:
+    done = 0
+    while done < view.nbytes:
+        got = f.readinto(view[done:])
+        if not got:
+            raise ValueError(f"file ends early: {view.nbytes - done} bytes of a tensor missing")
+        done += got
 
 
 def retie(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, torch.Tensor]:

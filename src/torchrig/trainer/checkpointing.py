@@ -106,8 +106,11 @@ class ModelCheckpoint(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        n, step = self.every_n_train_steps, trainer.global_step
-        if n is not None and step % n == 0 and step != self._last_step_saved:
+        n = self.every_n_train_steps
+        if n is None:  # the default: epoch ends only, nothing to do per batch
+            return
+        step = trainer.global_step
+        if step % n == 0 and step != self._last_step_saved:
             self._due(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:

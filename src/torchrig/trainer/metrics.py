@@ -59,7 +59,7 @@ class MetricStore:
         """Record ``value`` (a scalar tensor or a number) under ``name``."""
         tensor = self._to_tensor(name, value)
         known = self.options.setdefault(name, options)
-        if known != options:
+        if known is not options and known != options:
             raise ValueError(
                 f"self.log({name!r}) was called with {options} but earlier in this stage with {known}; "
                 "log a name with the same options every time"

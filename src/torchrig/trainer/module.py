@@ -149,17 +149,10 @@ class TrainingModule(nn.Module):
             warnings.warn(f"self.log({name!r}) outside a Trainer run is ignored", stacklevel=2)
             return
         in_step = trainer._logging_in_step
-        key = (
-            prog_bar,
-            logger,
-            in_step if on_step is None else on_step,
-            (not in_step) if on_epoch is None else on_epoch,
-        )
-        options = _OPTIONS.get((*key, sync_dist))
+        # One small tuple and one dict lookup per call: the options object is built once per flags.
+        options = _OPTIONS.get((prog_bar, logger, on_step, on_epoch, sync_dist, in_step))
         if options is None:
-            if not (key[2] or key[3]):
-                raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing; set one to True")
-            options = _OPTIONS.setdefault((*key, sync_dist), LogOptions(*key, sync_dist=bool(sync_dist)))
+            options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, in_step)
         # With several eval loaders, each loader's values are kept apart (``name/dataloader_idx_N``).
         trainer._active_metrics.log(name + trainer._log_suffix, value, options, batch_size)
 
@@ -167,6 +160,18 @@ class TrainingModule(nn.Module):
         """``self.log(name, value, **kwargs)`` for each item."""
         for name, value in values.items():
             self.log(name, value, **kwargs)
+
+
+def _log_options(
+    name: str, prog_bar: bool, logger: bool, on_step: bool | None, on_epoch: bool | None, sync_dist: bool, in_step: bool
+) -> LogOptions:
+    """The (cached) LogOptions of one combination of ``self.log`` flags, in or out of a training step."""
+    step = in_step if on_step is None else on_step
+    epoch = (not in_step) if on_epoch is None else on_epoch
+    if not (step or epoch):
+        raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing; set one to True")
+    options = LogOptions(bool(prog_bar), bool(logger), bool(step), bool(epoch), sync_dist=bool(sync_dist))
+    return _OPTIONS.setdefault((prog_bar, logger, on_step, on_epoch, sync_dist, in_step), options)
 
 
 @dataclass
