@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     suites = {
         "loops": ("Training step", CONTENDERS),
-        # Trainers: the whole fit() per step (set-up, hooks, logging, checkpoints), see _trainer_contenders.
+        # Trainers: fit() per step (hooks, logging, bar, checkpoint checks; one-time set-up and teardown
+        # left out, the same for every Trainer), see _trainer_contenders.
         "trainers": ("Trainer.fit, per step", {"hand-written": hand_written, **TRAINER_CONTENDERS}),
     }
     print(environment_line("cpu"))

@@ -4,9 +4,11 @@ A checkpoint is a directory::
 
     step-000100/
       meta.json            versions, world size, step/epoch, entries, SHA-256 + size of every file
-      model.safetensors    one per module in the state (tied weights stored once)
+      model.safetensors    one per module in the state (tied weights stored once); a large
+                           module is cut into ~256 MB shards model@00000.safetensors, ...
       state.pt             optimizers, schedulers, scaler, dataloader positions, plain values,
                            RNG states (python, numpy, torch CPU and each device, per rank)
+      state.pt@tensors*.safetensors   the large tensors of state.pt (optimizer moments), if any
 
 or, under FSDP, DCP shards (``.metadata``, ``__R_0.distcp``) written by every rank in parallel
 plus ``state.pt`` and ``meta.json``.

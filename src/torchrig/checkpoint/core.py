@@ -25,9 +25,9 @@ from torchrig.checkpoint.files import (
     commit,
     discard,
     read_meta,
+    read_torch_once,
     remove_stale_temps,
     resolve_checkpoint,
-    safe_torch_load,
     temp_dir_for,
     unsafe_globals,
     update_link,
@@ -41,6 +41,7 @@ from torchrig.checkpoint.state import (
     extract_tensors,
     for_safetensors,
     is_stateful,
+    read_safetensors,
     read_safetensors_once,
     restore_rng,
     restore_tensors,
@@ -164,21 +165,38 @@ def read_tensor_files(
 ) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors files ``names`` (one entry, maybe several shards), on CPU.
 
-    ``jobs`` holds reads already started by :func:`start_tensor_reads`; each is verified.
+    ``jobs`` holds reads :func:`start_tensor_reads` started (verified when they finish); other
+    files are mapped, and :meth:`VerifiedReader.check` must pass before they are used.
     """
     merged: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
     for name in names:
-        job = (jobs or {}).get(name) or reader.submit(name, read_safetensors_once)
-        tensors, meta = job.result()
+        job = (jobs or {}).get(name)
+        tensors, meta = job.result() if job is not None else reader.read(name, read_safetensors)
         merged.update(tensors)
         metadata.update(meta)
-    return retie(merged, metadata)
+    try:
+        return retie(merged, metadata)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"the tied-tensor list of {names} names a missing tensor ({err}); damaged") from err
 
 
 def start_tensor_reads(reader: VerifiedReader, meta: dict[str, Any]) -> dict[str, Future[Any]]:
-    """Read and hash every safetensors file of the checkpoint at once, on the reader's threads."""
-    return {n: reader.submit(n, read_safetensors_once) for n in meta["files"] if n.endswith(".safetensors")}
+    """Start reading and hashing every safetensors file at once, on the reader's threads.
+
+    Module weights are mapped from the page cache and hashed there: ``load_state_dict`` copies
+    them into the parameters after every checksum matched (measured: reading them into memory
+    first costs more than twice as much). The tensors of ``state.pt`` (optimizer moments) are
+    kept by their objects, so they are read once into their own memory and hashed there: what
+    was verified is what is kept, and nothing stays mapped from the file.
+    """
+    jobs = {}
+    for name in meta["files"]:
+        if name.startswith(STATE_TENSORS):
+            jobs[name] = reader.submit(name, read_safetensors_once)
+        elif name.endswith(".safetensors"):
+            reader.path(name)  # its hash starts now
+    return jobs
 
 
 def module_files(entry: dict[str, Any]) -> list[str]:
@@ -324,7 +342,7 @@ def load(
     with VerifiedReader(folder, meta, verify=verify) as reader:
         for name in meta["files"]:
             reader.path(name)  # every file's hash starts now, on a pool of threads
-        blob = reader.read(STATE_FILE, lambda p: safe_torch_load(p, map_location=device))
+        blob = reader.submit(STATE_FILE, functools.partial(read_torch_once, map_location=device)).result()
         external = blob.pop("external", None) or {"files": [], "where": []}
         extracted = read_tensor_files(reader, external["files"])
         tensors = {
@@ -385,7 +403,14 @@ def _apply(
         restore_rng(rngs[rig.global_rank] if len(rngs) == rig.world_size else rngs[0], rig.device)
     left: dict[str, Any] = dict(blob["values"])
     left.update(blob["objects"])
-    left.update({k: {n: t.to(device) for n, t in sd.items()} for k, sd in tensors.items() if k not in modules})
+    copies: dict[int, torch.Tensor] = {}  # module weights are mapped from the file: copy them, ties kept
+    left.update(
+        {
+            k: {n: copies.setdefault(id(t), t.to(device, copy=True)) for n, t in sd.items()}
+            for k, sd in tensors.items()
+            if k not in modules
+        }
+    )
     for key in wanted:
         if key in left and not is_stateful(wanted[key]):
             wanted[key] = left[key]

@@ -344,6 +344,10 @@ class VerifiedReader:
     def _run(self, name: str, path: Path, fn: Callable[[Path, bool], tuple[Any, str | None]]) -> Any:
         try:
             result, digest = fn(path, self.verify)
+        except CheckpointError:
+            if self.verify:
+                self.compare(name, sha256_file(path))
+            raise
         except Exception as err:
             if self.verify:  # a damaged file is the likely cause: say so first
                 self.compare(name, sha256_file(path))
@@ -397,20 +401,36 @@ def verify_files(folder: Path, meta: dict[str, Any]) -> list[tuple[str, int, boo
     return out
 
 
-def safe_torch_load(path: Path, *, map_location: Any = None) -> Any:
-    """``torch.load(weights_only=True)``: tensors and plain containers only, never code.
+def safe_torch_load(path: Path, *, map_location: Any = None, data: bytes | None = None) -> Any:
+    """``torch.load(weights_only=True)`` of ``path`` (or of its bytes ``data``): tensors and plain
+    containers only, never code.
 
     A file that holds any other Python object (a pickle payload) is refused before anything in
     it runs.
     """
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        source = path if data is None else io.BytesIO(data)
+        return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"refusing to load {path}: it holds Python objects other than tensors and plain containers, "
             f"which could run code when unpickled. torchrig only loads weights_only data. Details: "
             f"{str(err).splitlines()[0]}"
         ) from None
+
+
+def read_torch_once(path: Path, hashing: bool, *, map_location: Any = None) -> tuple[Any, str | None]:
+    """:func:`safe_torch_load` of a file read once, and the SHA-256 of those bytes.
+
+    The hash runs on a second thread (hashlib releases the GIL) beside the unpickling.
+    """
+    data = path.read_bytes()
+    if not hashing:
+        return safe_torch_load(path, map_location=map_location, data=data), None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash") as pool:
+        digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+        obj = safe_torch_load(path, map_location=map_location, data=data)
+        return obj, digest.result()
 
 
 def unsafe_globals(f: io.BytesIO) -> list[str]:

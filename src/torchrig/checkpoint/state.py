@@ -115,12 +115,15 @@ def shard_names(prefix: str, n: int) -> list[str]:
     return [f"{prefix}.safetensors"] if n == 1 else [f"{prefix}@{i:05d}.safetensors" for i in range(n)]
 
 
-def read_safetensors(path: Path, device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and metadata of one safetensors file."""
-    with safetensors.safe_open(str(path), framework="pt", device=str(device)) as f:  # type: ignore[no-untyped-call]
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a safetensors file, mapped from the page cache (no copy).
+
+    For weights that ``load_state_dict`` copies into parameters right after the checksums
+    matched; tensors that are kept go through :func:`read_safetensors_once`.
+    """
+    with safetensors.safe_open(str(path), framework="pt") as f:  # type: ignore[no-untyped-call]
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-        meta = f.metadata() or {}
-    return tensors, meta
+        return tensors, f.metadata() or {}
 
 
 _ST_DTYPES = {
@@ -150,6 +153,8 @@ def read_safetensors_once(
         raw = _read_exact(f, n)
         header = json.loads(raw)
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, dict) for v in header.values()):
+            raise ValueError("the header is not a safetensors header")
         if any(info.get("dtype") not in _ST_DTYPES for info in header.values()):
             data = head + raw + f.read()
             return (safetensors.torch.load(data), metadata), hashlib.sha256(data).hexdigest() if hashing else None
@@ -162,7 +167,7 @@ def read_safetensors_once(
             if begin != pos or end - begin != math.prod(shape) * dtype.itemsize or end > size - 8 - n:
                 raise ValueError(f"tensor {name!r} has data_offsets {[begin, end]}, which do not fit the file")
             t = torch.empty(shape, dtype=dtype)
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            view = t.reshape(-1).view(torch.uint8).numpy().data  # the tensor's own bytes, writable
             _readinto_exact(f, view)
             if digest is not None:
                 digest.update(view)  # releases the GIL: other files are read and hashed meanwhile
@@ -193,11 +198,6 @@ def retie(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[st
     for alias, name in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
         tensors[alias] = tensors[name]
     return tensors
-
-
-def from_safetensors_file(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Tensors of a one-file module written by :func:`write_safetensors`, tied tensors re-tied."""
-    return retie(*read_safetensors(path, device))
 
 
 # -- large tensors of the other state -> safetensors ---------------------------------------

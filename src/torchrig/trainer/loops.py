@@ -207,7 +207,7 @@ def optimizer_step(tr: Trainer) -> None:
     if tr.lr_scheduler_configs:
         step_schedulers(tr, "step", state.global_step)
     if state.global_step % tr.log_every_n_steps == 0:
-        values = tr._train_metrics.step_values(for_logger=True)
+        values: dict[str, Any] = tr._train_metrics.step_values(for_logger=True)  # a fresh dict
         if values:
             values["epoch"] = state.epoch
             tr._log_to_loggers(values)

@@ -68,9 +68,11 @@ class MetricStore:
             self.step[name] = self.rig.all_reduce(tensor, "mean") if options.sync_dist and self.rig else tensor
         if options.on_epoch:
             weight = float(batch_size) if batch_size else 1.0
-            weighted = tensor * weight if weight != 1.0 else tensor.clone()
             previous = self.sums.get(name)
-            self.sums[name] = weighted if previous is None else previous.add_(weighted)
+            if previous is None:  # the running sum is our own tensor, from then on updated in place
+                self.sums[name] = tensor * weight if weight != 1.0 else tensor.clone()
+            else:
+                previous.add_(tensor, alpha=weight)
             self.counts[name] = self.counts.get(name, 0.0) + weight
 
     def _to_tensor(self, name: str, value: Any) -> torch.Tensor:
