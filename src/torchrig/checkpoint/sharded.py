@@ -200,7 +200,7 @@ def _counts(folder: Path, module_keys: list[str]) -> dict[str, int]:
 def _safe_planner(*, keys: list[str] | None = None) -> Any:
     """DCP's load planner, but non-tensor items are read with ``weights_only=True``.
 
-    DCP's default ``load_bytes`` unpickles with ``weights_only=False``; with ``keys`` the planner
+    DCP's default ``load_bytes`` unpickles with weights-only checking turned off; with ``keys`` the planner
     builds the state dict from the checkpoint itself (for consolidation, no model needed).
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner
