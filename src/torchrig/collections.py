@@ -17,24 +17,32 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """
     if isinstance(data, torch.Tensor):
         return fn(data)
-    if isinstance(data, (str, bytes, int, float, bool, type(None))):
-        return data
+    if _is_container(data):
+        return _rebuild(data, lambda v: apply_to_tensors(v, fn))
+    return data
+
+
+def _is_container(data: Any) -> bool:
+    if isinstance(data, (Mapping, list, tuple)):
+        return True
+    return dataclasses.is_dataclass(data) and not isinstance(data, type)
+
+
+def _rebuild(data: Any, f: Callable[[Any], Any]) -> Any:
+    """A mapping, list, tuple, namedtuple or dataclass with ``f`` applied to each child, type kept."""
     cls = type(data)
     if isinstance(data, Mapping):
-        items = {k: apply_to_tensors(v, fn) for k, v in data.items()}
-        if cls is dict:
-            return items
-        return _rebuild_mapping(data, items)
-    if isinstance(data, tuple):
-        moved = [apply_to_tensors(v, fn) for v in data]
-        return cls(*moved) if hasattr(data, "_fields") else (tuple(moved) if cls is tuple else cls(moved))
-    if isinstance(data, list):
-        moved_list = [apply_to_tensors(v, fn) for v in data]
-        return moved_list if cls is list else cls(moved_list)
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        changes = {f.name: apply_to_tensors(getattr(data, f.name), fn) for f in dataclasses.fields(data) if f.init}
-        return dataclasses.replace(data, **changes)
-    return data
+        items = {k: f(v) for k, v in data.items()}
+        return items if cls is dict else _rebuild_mapping(data, items)
+    if isinstance(data, (list, tuple)):
+        children = [f(v) for v in data]
+        if cls is list:
+            return children
+        if cls is tuple:
+            return tuple(children)
+        return cls(*children) if hasattr(data, "_fields") else cls(children)  # namedtuple or subclass
+    changes = {fl.name: f(getattr(data, fl.name)) for fl in dataclasses.fields(data) if fl.init}
+    return dataclasses.replace(data, **changes)
 
 
 def move_to_device(batch: Any, device: torch.device | str, *, non_blocking: bool | None = None) -> Any:
@@ -76,24 +84,13 @@ def _move(data: Any, device: torch.device, nb: bool) -> Any:
     if isinstance(data, _LEAVES):
         return data
     if isinstance(data, (Mapping, list, tuple)):
-        return _structured(data, device, nb)
+        return _rebuild(data, lambda v: _move(v, device, nb))
     move = getattr(data, "to", None)
     if callable(move):
         return move(device, non_blocking=nb) if _takes_non_blocking(cls) else move(device)
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        changes = {f.name: _move(getattr(data, f.name), device, nb) for f in dataclasses.fields(data) if f.init}
-        return dataclasses.replace(data, **changes)
+        return _rebuild(data, lambda v: _move(v, device, nb))
     return data
-
-
-def _structured(data: Any, device: torch.device, nb: bool) -> Any:
-    cls = type(data)
-    if isinstance(data, Mapping):
-        return _rebuild_mapping(data, {k: _move(v, device, nb) for k, v in data.items()})
-    moved = [_move(v, device, nb) for v in data]
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return cls(*moved)
-    return cls(moved)
 
 
 def _rebuild_mapping(data: Any, items: dict[Any, Any]) -> Any:

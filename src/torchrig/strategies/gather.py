@@ -29,7 +29,7 @@ def _padding_of_current_batch(rig: Rig, batch_size: int) -> int:
     pads, and whose last per-rank batch has ``batch_size`` rows (the most recently prepared such
     loader wins when several match).
     """
-    for loader in reversed(getattr(rig, "_loaders", [])):
+    for loader in reversed(rig._loaders):
         sampler = getattr(loader.loader, "sampler", None)
         if not isinstance(sampler, ResumableSampler):
             continue

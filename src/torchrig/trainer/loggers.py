@@ -194,11 +194,11 @@ class _BufferedLogger(Logger):
     def __init__(
         self,
         *,
-        root_dir: str | os.PathLike[str],
-        name: str,
-        version: int | str | None,
-        flush_every_n_steps: int,
-        rank_zero: bool | None,
+        root_dir: str | os.PathLike[str] = ".",
+        name: str = "torchrig_logs",
+        version: int | str | None = None,
+        flush_every_n_steps: int = 100,
+        rank_zero: bool | None = None,
     ) -> None:
         if isinstance(flush_every_n_steps, bool) or not isinstance(flush_every_n_steps, int) or flush_every_n_steps < 1:
             raise ValueError(f"flush_every_n_steps={flush_every_n_steps!r} must be a positive int (default 100)")
@@ -310,19 +310,8 @@ class CSVLogger(_BufferedLogger):
         [{'step': 1, 'loss': 0.25}]
     """
 
-    def __init__(
-        self,
-        *,
-        root_dir: str | os.PathLike[str] = ".",
-        name: str = "torchrig_logs",
-        version: int | str | None = None,
-        flush_every_n_steps: int = 100,
-        rank_zero: bool | None = None,
-    ) -> None:
-        super().__init__(
-            root_dir=root_dir, name=name, version=version, flush_every_n_steps=flush_every_n_steps, rank_zero=rank_zero
-        )
-        self._columns: list[str] | None = None
+    #: The CSV header; read from an existing file (a resumed run) on the first write.
+    _columns: list[str] | None = None
 
     @property
     def metrics_file(self) -> Path:
