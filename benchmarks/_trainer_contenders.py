@@ -1,17 +1,18 @@
 """Trainer contenders for ``overhead.py``: torchrig's Trainer and Lightning's, on the same loop.
 
-Each runner builds a fresh Trainer and fits ``steps`` optimizer steps over the workload's
-loader. What is timed is the per-step cost with one-time set-up and teardown left out, alike
-for every contender: a timing callback reads ``_common.clock`` (this process's CPU time, the
-clock of every contender in the table, the hand-written loop included) when the first epoch
-starts and in ``on_fit_end``. Inside the window: every step, ``self.log``, epoch start and end,
-the logger's buffered writes, the progress bar's redraws, and the checkpoint callback's
-per-step and per-epoch work (with the defaults, a save falls due at most once a minute, so in
-these sub-second fits it only checks the clock). Outside: ``fit()``'s set-up (moving the model,
-building the optimizer, starting the bar; the hand-written loop's model and optimizer creation
-is not timed either) and its teardown (the checkpoint that ``ModelCheckpoint`` writes in its
-``on_fit_end``, which runs after every other callback, and the logger's final flush). The
-module computes what the hand-written loop computes and also logs the loss every step
+Each runner builds a fresh Trainer and fits ``steps`` optimizer steps (at least 3 epochs) over
+the workload's loader. What is timed is the steady-state cost of a step, alike for every
+contender: a timing callback reads ``_common.clock`` (this process's CPU time, the clock of
+every contender in the table, the hand-written loop included) at the start of each epoch, and
+the runner reports the time from the start of the second epoch to the start of the last one,
+scaled to ``steps`` steps. Inside that window: every step, ``self.log``, the whole of each
+epoch's start and end (every callback's and the module's hooks, the logger's buffered writes,
+the checkpoint callback's checks), and the progress bar's redraws at its real rate. Outside:
+``fit()``'s set-up and first epoch (moving the model, building the optimizer, starting the bar
+and its first draw) and the last epoch with the teardown (the final redraw, the checkpoint
+``ModelCheckpoint`` writes at the end of every fit, the logger's last flush): one-time costs
+that a sub-second benchmark fit would otherwise charge to its few hundred steps. The module
+computes what the hand-written loop computes and also logs the loss every step
 (``log_every_n_steps=1``), which the hand-written loop does not: that cost is part of what the
 Trainer is charged for. Progress bars draw to a discarded terminal, so their real rendering
 cost is paid without filling the benchmark's output.
@@ -43,22 +44,27 @@ def _scratch_dir() -> Iterator[str]:
 
 
 def _timer(base: type) -> Any:
-    """A callback of the framework whose Callback class is ``base`` that times the fit loop."""
+    """A callback of the framework whose Callback class is ``base`` that reads the clock at
+    every epoch start; :func:`_steady` turns that into the time of the steps in between."""
 
     class Timer(base):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:
             super().__init__()
-            self.start: float | None = None
-            self.seconds = 0.0
+            self.starts: list[float] = []
 
         def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
-            if self.start is None:
-                self.start = clock()
-
-        def on_fit_end(self, trainer: Any, module: Any) -> None:
-            self.seconds = clock() - (self.start if self.start is not None else clock())
+            self.starts.append(clock())
 
     return Timer()
+
+
+def _steady(timer: Any, w: Any, steps: int) -> float:
+    """Seconds for ``steps`` steps at the rate of the epochs between the first and the last."""
+    starts = timer.starts
+    if len(starts) < 4:
+        raise ValueError(f"the timed window needs >= 4 epochs; {steps} steps of {w.batches} batches give {len(starts)}")
+    per_epoch = (starts[-1] - starts[1]) / (len(starts) - 2)
+    return per_epoch * steps / w.batches
 
 
 def torchrig_trainer(w: Any) -> Runner:
@@ -114,7 +120,7 @@ def _torchrig(w: Any, *, lean: bool, checkpointing: bool = True) -> Runner:
                 accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1, default_root_dir=root, **extra
             )
             trainer.fit(module, loader)
-            return timer.seconds
+            return _steady(timer, w, steps)
 
     return run
 
@@ -169,7 +175,7 @@ def _lightning(w: Any, *, lean: bool) -> Runner:
             ):
                 warnings.simplefilter("ignore")  # "num_workers is low" and similar advice
                 trainer.fit(module, loader)
-                return float(timer.seconds)
+                return _steady(timer, w, steps)
 
     return run
 

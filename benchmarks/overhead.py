@@ -6,8 +6,10 @@
 Two workloads: a small MLP whose step is dominated by Python overhead (where a wrapper's cost
 shows), and a larger one whose step is dominated by matmuls. Every contender runs the same
 loop (forward, cross-entropy, backward, step, zero_grad) over the same cheap DataLoader of
-ready-made batches, with the same initial weights, on one CPU thread; the repeats interleave
-and the median is reported. Contenders whose package is not installed are listed as such.
+ready-made batches, with the same initial weights, on one CPU thread. Each run of a contender
+is paired with a run of the hand-written loop right next to it (``_common.run_paired``); the
+ratio is the median of the paired ratios, with its 95% confidence interval. Contenders whose
+package is not installed are listed as such.
 
 To add a contender (say a Trainer), write ``def my_contender(w: Workload) -> Runner`` that
 builds its model with :meth:`Workload.model` and returns a function running ``steps`` steps
@@ -28,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Runner, base_parser, clock, environment_line, run_interleaved, table
+from _common import Runner, base_parser, clock, environment_line, run_paired, table
 from _trainer_contenders import TRAINER_CONTENDERS
 
 
@@ -66,8 +68,11 @@ class Workload:
         return DataLoader(data, batch_size=None)  # type: ignore[arg-type]
 
 
-SMALL = Workload("small MLP 32-64-64-10, batch 32", features=32, hidden=64, classes=10, batch=32, steps=1000)
-LARGE = Workload("large MLP 256-1024-1024-10, batch 128", features=256, hidden=1024, classes=10, batch=128, steps=50)
+# Short runs (~0.1-0.4 s), many pairs: the baseline run next to each is then close in time.
+SMALL = Workload("small MLP 32-64-64-10, batch 32", features=32, hidden=64, classes=10, batch=32, steps=250)
+LARGE = Workload(
+    "large MLP 256-1024-1024-10, batch 128", features=256, hidden=1024, classes=10, batch=128, steps=40, batches=10
+)
 
 
 def _timed_loop(w: Workload, loader: Any, one_step: Callable[[Any, Any], None]) -> Runner:
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the steps per repeat")
     parser.add_argument("--suite", choices=("loops", "trainers", "all"), default="all", help="which table(s) to time")
+    parser.set_defaults(repeats=21)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     suites = {
@@ -182,10 +188,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows = []
         for w in (SMALL, LARGE):
-            steps = max(w.batches, int(w.steps * args.scale) // w.batches * w.batches)
-            results = run_interleaved(build(w, contenders), steps=steps, repeats=args.repeats, warmup=w.batches)
+            # Whole epochs, at least 4 (the Trainer contenders time the epochs between the first and last).
+            steps = max(4 * w.batches, int(w.steps * args.scale) // w.batches * w.batches)
+            results = run_paired(build(w, contenders), steps=steps, repeats=args.repeats, warmup=4 * w.batches)
             rows.append((w.name, results, steps))
-        title = f"{label}, median of {args.repeats} interleaved repeats (lower is better)"
+        title = f"{label}, {args.repeats} paired repeats (lower is better)"
         table(title, rows, unit="µs/step", scale=1e6, markdown=args.markdown)
     return 0
 

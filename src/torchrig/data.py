@@ -9,6 +9,7 @@ processes together see the same global batches as one process.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -128,8 +129,9 @@ class RigDataLoader:
 
     ``len()``, ``dataset``, ``batch_size`` and ``sampler`` come from the wrapped loader. Each
     ``iter()`` starts a new epoch (``set_epoch`` is called for you); ``state_dict`` records the
-    epoch and how many batches of it were consumed, and ``load_state_dict`` makes the next
-    ``iter()`` continue right after them.
+    epoch and how many batches of it were consumed (and, for a :class:`ResumableSampler`, how
+    many samples of the global order), and ``load_state_dict`` makes the next ``iter()``
+    continue right after them, also under another number of processes or batch size.
     """
 
     def __init__(self, loader: DataLoader[Any], *, device: torch.device, seed: int = 0) -> None:
@@ -189,15 +191,61 @@ class RigDataLoader:
                 sampler.skip = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches_seen", "seed"}``: where the next batch comes from."""
-        return {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
+        """Where the next batch comes from: ``epoch``, ``batches_seen`` (this rank's) and ``seed``.
+
+        A loader with a :class:`ResumableSampler` also records ``samples_seen``, the samples
+        of the epoch's global order that all ranks together consumed (``len(dataset)`` once the
+        epoch is over), with the ``num_replicas`` and ``batch_size`` it ran with, so a run with
+        another number of processes or batch size resumes at the same place in the data.
+        """
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
+        sampler = self.loader.sampler
+        if isinstance(sampler, ResumableSampler):
+            batch_size = self.loader.batch_size or 1
+            n = len(sampler.data_source)
+            if self.batches_seen >= len(self.loader):
+                samples = n
+            else:
+                # rank r took global positions r, r+R, ...: the ranks together consumed a prefix
+                samples = min(self.batches_seen * batch_size, sampler.num_samples) * sampler.num_replicas
+            state.update(samples_seen=samples, num_replicas=sampler.num_replicas, batch_size=batch_size)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue right after the position in ``state`` at the next ``iter()``.
+
+        A position saved by a different number of processes or batch size is converted through
+        the global sample position; when it falls inside one of this loader's global batches,
+        the resume starts at that batch and warns how many samples are seen again.
+        """
         epoch, seen = int(state["epoch"]), int(state["batches_seen"])
         self.seed = int(state.get("seed", self.seed))
-        if isinstance(self.loader.sampler, ResumableSampler):
-            self.loader.sampler.seed = self.seed
+        sampler = self.loader.sampler
+        if isinstance(sampler, ResumableSampler):
+            sampler.seed = self.seed
+            if "samples_seen" in state and epoch >= 0:
+                epoch, seen = self._batches_for(state, epoch, sampler)
         if epoch >= 0 and seen >= len(self.loader):
             epoch, seen = epoch + 1, 0
         self._resume_at = (max(epoch, 0), seen)
         self.epoch, self.batches_seen = epoch, seen
+
+    def _batches_for(self, state: dict[str, Any], epoch: int, sampler: ResumableSampler) -> tuple[int, int]:
+        """``(epoch, batches of this rank to skip)`` for the global position saved in ``state``."""
+        samples = int(state["samples_seen"])
+        if samples >= len(sampler.data_source):
+            return epoch + 1, 0
+        batch_size, replicas = self.loader.batch_size or 1, sampler.num_replicas
+        per_step = batch_size * replicas
+        skip, again = divmod(samples, per_step)
+        if again and skip < len(self.loader):
+            saved_replicas, saved_batch = state.get("num_replicas", "?"), state.get("batch_size", "?")
+            warnings.warn(
+                f"the checkpoint's dataloader stopped {samples} samples into epoch {epoch} "
+                f"(saved with num_replicas={saved_replicas} x batch_size={saved_batch}); this run takes "
+                f"{per_step} samples per step (num_replicas={replicas} x batch_size={batch_size}) and "
+                f"{samples} is not a multiple of {per_step}, so it resumes at sample {skip * per_step} "
+                f"and {again} samples will be seen again",
+                stacklevel=3,
+            )
+        return epoch, skip

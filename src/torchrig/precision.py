@@ -81,6 +81,57 @@ def supported_precisions(device_type: str) -> list[str]:
     return out
 
 
+class DeferredUpdateGradScaler(torch.amp.GradScaler):
+    """A GradScaler whose ``update()`` runs once per iteration, however many optimizers step.
+
+    PyTorch's recipe with several optimizers is ``scale(loss).backward()``, ``step(opt1)``,
+    ``step(opt2)``, then one ``update()``. Prepared optimizers step one at a time and cannot
+    know which is the last, so :meth:`Precision.optimizer_step` only marks the update as due
+    (:meth:`defer_update`); it runs before the scale is next used for a new iteration: in
+    :meth:`scale`, or when the scale or the state is read (:meth:`get_scale`,
+    :meth:`state_dict`, :meth:`load_state_dict`, pickling). ``unscale_`` and ``step`` do not
+    run it: they belong to the iteration whose loss was scaled with the current scale. With
+    one optimizer the scale sequence is exactly that of ``step(); update()``.
+    """
+
+    _update_due = False
+
+    def defer_update(self) -> None:
+        """Mark ``update()`` as due; it runs before the scale is used or read again."""
+        self._update_due = True
+
+    def apply_deferred_update(self) -> None:
+        """Run the due ``update()`` now, if there is one (sync-free, like ``update()``)."""
+        if self._update_due:
+            self.update()
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        # A due update is this call: an explicit update() after a step must not run twice.
+        self._update_due = False
+        super().update(new_scale)
+
+    def scale(self, outputs: Any) -> Any:
+        self.apply_deferred_update()
+        return super().scale(outputs)
+
+    def get_scale(self) -> float:
+        self.apply_deferred_update()
+        return super().get_scale()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.apply_deferred_update()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Finish the iteration first, so the update it owes cannot be applied to the loaded scale.
+        self.apply_deferred_update()
+        super().load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.apply_deferred_update()
+        return super().__getstate__()
+
+
 def auto_precision(device_type: str) -> str:
     """``precision="auto"``: bf16-mixed where the device has native bf16, else 32-true.
 
@@ -119,8 +170,8 @@ class Precision:
             )
         self.param_dtype: torch.dtype | None = _TRUE_DTYPES.get(self.name)
         self.autocast_dtype: torch.dtype | None = _MIXED_DTYPES.get(self.name)
-        self.scaler: torch.amp.GradScaler | None = (
-            torch.amp.GradScaler(device_type) if self.name == "16-mixed" else None
+        self.scaler: DeferredUpdateGradScaler | None = (
+            DeferredUpdateGradScaler(device_type) if self.name == "16-mixed" else None
         )
 
     @property
@@ -180,7 +231,12 @@ class Precision:
         return apply_to_tensors(data, lambda t: t.float() if t.dtype in _HALF else t)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by the GradScaler under fp16-mixed."""
+        """``loss.backward()``, scaled by the GradScaler under fp16-mixed.
+
+        The scale update owed by the previous iteration's optimizer steps runs first (inside
+        ``scale``), so every optimizer of one iteration was unscaled with the scale its
+        gradients were scaled with.
+        """
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward(**kwargs)
@@ -189,18 +245,24 @@ class Precision:
         """Unscale the gradients of ``optimizer`` in place (once per step) before clipping."""
         if self.scaler is None:
             return
+        # No deferred update here: another optimizer may already have stepped this iteration,
+        # and these gradients were scaled with the scale from before that step.
         state = self.scaler._per_optimizer_states[id(optimizer)]
         if state["stage"].name != "UNSCALED":
             self.scaler.unscale_(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-        """Step ``optimizer``; under fp16-mixed the GradScaler skips steps with inf/NaN gradients."""
+        """Step ``optimizer``; under fp16-mixed the GradScaler skips steps with inf/NaN gradients.
+
+        The scale is updated once per iteration, after all its optimizers stepped: the update is
+        deferred to the next ``backward`` (or the next read of the scaler's scale or state).
+        """
         if self.scaler is None:
             return optimizer.step(closure) if closure is not None else optimizer.step()
         if closure is not None:
             raise ValueError("precision='16-mixed' cannot step with a closure (GradScaler does not support it)")
         out = self.scaler.step(optimizer)
-        self.scaler.update()
+        self.scaler.defer_update()
         return out
 
     def state_dict(self) -> dict[str, Any]:

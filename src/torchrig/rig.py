@@ -191,7 +191,11 @@ class Rig:
         if on_meta and not self.strategy.materializes_meta:
             materialize(module, self.device)
         forward_module = self.strategy.setup_module(module)
-        return RigModule(forward_module=forward_module, module=module, precision=self.precision, device=self.device)
+        # A strategy that keeps the base ``setup_module`` only moves the module: nothing wraps its forward.
+        plain = type(self.strategy).setup_module is Strategy.setup_module
+        return RigModule(
+            forward_module=forward_module, module=module, precision=self.precision, device=self.device, plain=plain
+        )
 
     def _setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if any(p.is_meta for g in optimizer.param_groups for p in g["params"]):

@@ -4,10 +4,11 @@ optimizer that steps through it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from torchrig.diagnostics import DeviceMismatchError, explain
 from torchrig.precision import Precision
@@ -22,7 +23,13 @@ class RigModule(nn.Module):
     """
 
     def __init__(
-        self, *, forward_module: nn.Module, module: nn.Module, precision: Precision, device: torch.device
+        self,
+        *,
+        forward_module: nn.Module,
+        module: nn.Module,
+        precision: Precision,
+        device: torch.device,
+        plain: bool = False,
     ) -> None:
         super().__init__()
         self._forward_module = forward_module
@@ -34,6 +41,15 @@ class RigModule(nn.Module):
         object.__setattr__(self, "_rig_autocast", precision.autocast if precision.is_mixed else None)
         object.__setattr__(self, "_rig_converts", precision.converts)
         object.__setattr__(self, "_rig_converts_output", precision.converts_output)
+        # True when calling the module's methods directly is the same as running its forward
+        # through the wrapper: the strategy wrapped nothing, the precision adds no autocast or casts.
+        object.__setattr__(
+            self,
+            "_rig_plain",
+            plain
+            and forward_module is module
+            and not (precision.is_mixed or precision.converts or precision.converts_output),
+        )
 
     @property
     def module(self) -> nn.Module:
@@ -58,11 +74,41 @@ class RigModule(nn.Module):
                 with self._rig_autocast():
                     out = self._rig_forward(*args, **kwargs)
         except RuntimeError as err:
-            message = explain(err, self._rig_module, args, kwargs, self._rig_device)
-            if message is None:
-                raise
-            raise DeviceMismatchError(message) from err
+            self._rig_reraise(err, args, kwargs)
         return precision.convert_output(out) if self._rig_converts_output else out
+
+    def _rig_reraise(self, err: RuntimeError, args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
+        """Raise ``err``, as a :class:`DeviceMismatchError` when it is a device/dtype mismatch."""
+        message = explain(err, self._rig_module, args, kwargs, self._rig_device)
+        if message is None:
+            raise err
+        raise DeviceMismatchError(message) from err
+
+    def call_as_forward(self, method: Any, *args: Any) -> Any:
+        """Run ``method`` (the module's ``training_step``...) as if it were the module's ``forward``.
+
+        The strategy's wrapper (DDP's gradient hooks, FSDP's unsharding) and the precision's
+        autocast then see the step as the forward pass; inside it, ``self(x)`` is the module's own
+        ``forward`` again. When nothing wraps the forward (one device, full precision, no module
+        hooks) the method is simply called: the same result, without the detour.
+        """
+        module = self._rig_module
+        if self._rig_plain and not _has_hooks(module):
+            try:
+                return method(*args)
+            except RuntimeError as err:
+                self._rig_reraise(err, args, {})
+        attrs = module.__dict__  # the instance dict, past nn.Module's slower __setattr__
+
+        def step_forward(*a: Any) -> Any:
+            attrs.pop("forward", None)
+            return method(*a)
+
+        attrs["forward"] = step_forward
+        try:
+            return self(*args)
+        finally:
+            attrs.pop("forward", None)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -86,6 +132,20 @@ class RigModule(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self._rig_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether ``module.__call__`` would run hooks (the module's own or global module hooks)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or _nn_module._global_forward_hooks
+        or _nn_module._global_forward_pre_hooks
+        or _nn_module._global_backward_hooks
+        or _nn_module._global_backward_pre_hooks
+    )
 
 
 _OWN = ("_rig_optimizer", "_rig_precision", "step", "zero_grad")

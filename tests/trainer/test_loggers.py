@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import pickle
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -181,3 +183,57 @@ def test_tensorboard_missing_says_how_to_install(tmp_path: Path) -> None:
         pytest.raises(ImportError, match=r"pip install torchrig\[tensorboard\]"),
     ):
         TensorBoardLogger(root_dir=tmp_path)
+
+
+def test_tensorboard_logger_in_a_fit_without_hparams(tmp_path: Path) -> None:
+    # Metrics first, no log_hyperparams before them: the event file is opened by the first flush.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(root_dir=tmp_path, flush_every_n_steps=2)
+    logger.log_metrics({"loss": torch.tensor(0.5)}, step=0)
+    logger.log_metrics({"loss": torch.tensor(0.25)}, step=1)
+    copy = pickle.loads(pickle.dumps(logger))  # what a started process receives: no open file
+    assert copy._summary is None
+    logger.finalize("success")
+    events = EventAccumulator(str(logger.log_dir))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 0.5), (1, 0.25)]
+
+
+def test_logged_values_are_those_of_the_step_they_were_logged_at(tmp_path: Path) -> None:
+    # A buffer updated in place and a view of a parameter are copied when logged; the loss (an
+    # autograd result) is kept as is. The CSV, flushed only at the end, shows each step's value.
+    import torchrig
+
+    class Counting(torchrig.TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+            self.register_buffer("seen", torch.zeros(()))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen += 1
+            loss = (self.w * batch[0]).sum()
+            self.log("seen", self.seen)
+            self.log("w0", self.w[0])
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(3, 2)), batch_size=1)
+    logger = CSVLogger(root_dir=tmp_path, flush_every_n_steps=100)
+    trainer = torchrig.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        log_every_n_steps=1,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Counting(), data)
+    rows = read_metrics(logger.log_dir)
+    assert [r["seen"] for r in rows] == [1.0, 2.0, 3.0]
+    assert [r["w0"] for r in rows] == [1.0, 0.5, 0.0]  # before each step's update
+    assert [r["loss"] for r in rows] == [2.0, 1.0, 0.0]

@@ -120,3 +120,33 @@ def test_validate_from_a_checkpoint_loads_the_weights(tmp_path: Path) -> None:
     assert best == expected
     with pytest.raises(ValueError, match="ckpt_path='best' needs a ModelCheckpoint that has saved a checkpoint"):
         quiet_trainer(tmp_path).validate(fresh, loader(8), ckpt_path="best")
+
+
+@pytest.mark.timeout(30)
+def test_resume_with_another_batch_size_continues_at_the_same_sample(tmp_path: Path) -> None:
+    # Saved after 3 batches of 4 (12 samples of epoch 0's order); resumed with batches of 6:
+    # the epoch goes on at sample 12 (batch 2 of 6 of the new layout), not at batch 3 (sample 18).
+    torch.manual_seed(0)
+    save = torchrig.ModelCheckpoint(every_n_train_steps=3, save_last=True)
+    first = quiet_trainer(tmp_path, max_steps=3, seed=7, enable_checkpointing=True, callbacks=[save])
+    first.fit(Regressor(), loader(36, batch_size=4, shuffle=True))
+    assert (tmp_path / "checkpoints" / "last").resolve().name == "epoch=0-step=3"
+    seen: list[tuple[int, int, torch.Tensor]] = []
+
+    class Watch(torchrig.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seen.append((trainer.current_epoch, batch_idx, batch[0].clone()))
+
+    second = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, seed=7, callbacks=[Watch()])
+    second.fit(Regressor(), loader(36, batch_size=6, shuffle=True), ckpt_path="last")
+    assert [(e, i) for e, i, _ in seen] == [(0, 2), (0, 3), (0, 4), (0, 5)]
+    # The samples are the rest of epoch 0's order: what a fresh batch-6 run sees from batch 2 on.
+    order: list[torch.Tensor] = []
+
+    class Record(torchrig.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            order.append(batch[0].clone())
+
+    fresh = quiet_trainer(tmp_path / "fresh", max_epochs=1, seed=7, callbacks=[Record()])
+    fresh.fit(Regressor(), loader(36, batch_size=6, shuffle=True))
+    assert all(torch.equal(a, b) for (_, _, a), b in zip(seen, order[2:], strict=True))

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from torchrig.trainer.logger_base import Logger
+from torchrig.trainer.metrics import Snapshot
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -58,7 +59,8 @@ class MetricBuffer:
     """Rows of logged metrics whose tensor values stay on their device until :meth:`drain`.
 
     Each :meth:`add` copies its tensors in one ``torch.stack`` (they may be changed in place
-    later: a parameter, a running sum); :meth:`drain` joins everything buffered with one
+    later: a parameter, a running sum), except a :class:`~torchrig.trainer.metrics.Snapshot`'s
+    single value, which nothing changes; :meth:`drain` joins everything buffered with one
     ``torch.cat`` per device and dtype and reads it with one ``tolist`` per device.
 
     Example:
@@ -97,9 +99,11 @@ class MetricBuffer:
                 row[name] = float(value)
             else:
                 raise TypeError(f"logged metric {name!r} is a {type(value).__name__}; log a number or a scalar tensor")
-        if len(tensors) == 1:  # the common case (the loss), kept to one small copy
+        if len(tensors) == 1:  # the common case (the loss): one small copy, none for a Snapshot
             name, t = tensors[0]
-            pack = t.clone() if t.dim() == 0 else t.reshape(()).clone()
+            if t.dim():
+                t = t.reshape(())
+            pack = t if isinstance(metrics, Snapshot) else t.clone()
             self._packs.append(pack)
             row[name] = (pack, 0)
         elif tensors:
@@ -376,14 +380,17 @@ class TensorBoardLogger(_BufferedLogger):
             root_dir=root_dir, name=name, version=version, flush_every_n_steps=flush_every_n_steps, rank_zero=rank_zero
         )
         self._writer_class = SummaryWriter
-        self._writer: Any = None
+        self._summary: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_summary": None}  # an open event file stays here
 
     @property
     def writer(self) -> Any:
         """The ``torch.utils.tensorboard.SummaryWriter`` (opened on first use, rank zero)."""
-        if self._writer is None:
-            self._writer = self._writer_class(log_dir=str(self.log_dir))
-        return self._writer
+        if self._summary is None:
+            self._summary = self._writer_class(log_dir=str(self.log_dir))
+        return self._summary
 
     def _write(self, rows: list[Row]) -> None:
         for step, epoch, metrics in rows:
@@ -403,9 +410,9 @@ class TensorBoardLogger(_BufferedLogger):
         self.writer.flush()
 
     def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._summary is not None:
+            self._summary.close()
+            self._summary = None
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, float | int]]:

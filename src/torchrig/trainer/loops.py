@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchrig.trainer.metrics import to_floats
+from torchrig.trainer.metrics import Snapshot, to_floats
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
-    from torchrig.wrappers import RigModule
 
 
 @dataclass
@@ -39,27 +38,6 @@ class FitState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
             setattr(self, key, value)
-
-
-def call_step(prepared: RigModule, method: Any, *args: Any) -> Any:
-    """Run ``method`` (``training_step``...) *through* the prepared module.
-
-    The step becomes the module's ``forward`` for one call, so the strategy's wrapper (DDP's
-    gradient hooks, FSDP's unsharding) and the precision's autocast see it as the forward pass.
-    Inside the step, ``self(x)`` is the user's own ``forward`` again.
-    """
-    module = prepared.module
-    attrs = module.__dict__  # the instance dict, past nn.Module's slower __setattr__
-
-    def step_forward(*a: Any) -> Any:
-        attrs.pop("forward", None)
-        return method(*a)
-
-    attrs["forward"] = step_forward
-    try:
-        return prepared(*args)
-    finally:
-        attrs.pop("forward", None)
 
 
 def loss_of(output: Any) -> torch.Tensor | None:
@@ -172,7 +150,7 @@ def train_batch(tr: Trainer, batch: Any, batch_idx: int, is_last: bool) -> Any:
     prepared, accumulate = tr._prepared_module, tr.accumulate_grad_batches
     assert prepared is not None
     if accumulate == 1:  # every batch is a boundary: no context manager, no division
-        output = call_step(prepared, prepared.module.training_step, batch, batch_idx)
+        output = prepared.call_as_forward(prepared.module.training_step, batch, batch_idx)
         loss = loss_of(output)
         if loss is not None:
             tr.rig.backward(loss)
@@ -180,7 +158,7 @@ def train_batch(tr: Trainer, batch: Any, batch_idx: int, is_last: bool) -> Any:
         return output
     boundary = (batch_idx + 1) % accumulate == 0 or is_last
     with tr.rig.no_backward_sync(prepared, enabled=not boundary):
-        output = call_step(prepared, prepared.module.training_step, batch, batch_idx)
+        output = prepared.call_as_forward(prepared.module.training_step, batch, batch_idx)
         loss = loss_of(output)
         if loss is not None:
             tr.rig.backward(loss / accumulate)
@@ -241,7 +219,7 @@ def _end_train_epoch(tr: Trainer) -> None:
     tr._epoch_metrics.update(epoch_values)
     logged = tr._train_metrics.logger_keys(epoch_values)
     if logged:
-        tr._log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
+        tr._log_to_loggers(Snapshot(logged, epoch=tr.fit_state.epoch))
     step_schedulers(tr, "epoch", tr.fit_state.epoch + 1)
     tr.fit_state.epoch_finished = True
     tr._call_callbacks("on_train_epoch_end")
@@ -277,7 +255,7 @@ def run_evaluation(tr: Trainer, stage: str, limit_override: float | None = None)
         tr._epoch_metrics.update(values)
         logged = store.logger_keys(values)
         if logged and tr._stage == "fit":
-            tr._log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
+            tr._log_to_loggers(Snapshot(logged, epoch=tr.fit_state.epoch))
         elif logged:
             tr._log_to_loggers(logged)
     tr._call_callbacks("on_eval_end", stage)
@@ -291,7 +269,7 @@ def _eval_loader(tr: Trainer, stage: str, method: Any, loader: Any, idx: int | N
         return
     for batch_idx, batch in enumerate(loader):
         args = (batch, batch_idx) if idx is None or not _takes_loader_index(method) else (batch, batch_idx, idx)
-        output = call_step(prepared, method, *args)
+        output = prepared.call_as_forward(method, *args)
         tr._call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
         if batch_idx + 1 >= n:
             break
@@ -335,7 +313,7 @@ def run_predict(tr: Trainer) -> list[Any]:
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= n:
                     break
-                out = call_step(prepared, prepared.module.predict_step, batch, batch_idx)
+                out = prepared.call_as_forward(prepared.module.predict_step, batch, batch_idx)
                 tr._call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
                 # In dataset order, each sample once (the sampler's padding dropped); free in one process.
                 outputs.append(tr.rig.gather_for_metrics(out))

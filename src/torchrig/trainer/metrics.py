@@ -18,6 +18,15 @@ if TYPE_CHECKING:
     from torchrig.rig import Rig
 
 
+class Snapshot(dict):  # type: ignore[type-arg]
+    """Logged values that nothing changes in place: a logger may keep these tensors without a copy.
+
+    The Trainer hands its loggers this kind of dict. A plain dict from elsewhere may hold a
+    tensor someone updates in place later (a running sum, a parameter), which a buffering
+    logger must copy when it is logged.
+    """
+
+
 @dataclass(frozen=True)
 class LogOptions:
     """How one logged name is shown and reduced (fixed by its first ``log`` call in a stage)."""
@@ -65,7 +74,11 @@ class MetricStore:
                 "log a name with the same options every time"
             )
         if options.on_step:
-            self.step[name] = self.rig.all_reduce(tensor, "mean") if options.sync_dist and self.rig else tensor
+            if options.sync_dist and self.rig:
+                tensor = self.rig.all_reduce(tensor, "mean")  # a new tensor
+            elif not _fresh(value):
+                tensor = tensor.clone()  # read later (loggers, the bar): the value now, not then
+            self.step[name] = tensor
         if options.on_epoch:
             weight = float(batch_size) if batch_size else 1.0
             previous = self.sums.get(name)
@@ -92,9 +105,9 @@ class MetricStore:
             return torch.tensor(float(value), device=self.device)
         raise TypeError(f"self.log({name!r}) got {type(value).__name__}; log a number or a scalar tensor")
 
-    def step_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> dict[str, torch.Tensor]:
+    def step_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> Snapshot:
         """The latest ``on_step`` values (named ``name_step`` when also logged ``on_epoch``)."""
-        out: dict[str, torch.Tensor] = {}
+        out = Snapshot()
         for name, value in self.step.items():
             opts = self.options[name]
             if (for_logger and not opts.logger) or (for_prog_bar and not opts.prog_bar):
@@ -102,10 +115,10 @@ class MetricStore:
             out[f"{name}_step" if opts.on_epoch else name] = value
         return out
 
-    def epoch_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> dict[str, torch.Tensor]:
+    def epoch_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> Snapshot:
         """Means of the ``on_epoch`` values (``name_epoch`` when also logged ``on_step``),
         averaged across processes for ``sync_dist=True`` names in one collective."""
-        out: dict[str, torch.Tensor] = {}
+        out = Snapshot()
         synced: list[str] = []
         for name, total in self.sums.items():
             opts = self.options[name]
@@ -120,9 +133,9 @@ class MetricStore:
             out.update(zip(synced, reduced.unbind(0), strict=True))
         return out
 
-    def logger_keys(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def logger_keys(self, values: Mapping[str, torch.Tensor]) -> Snapshot:
         """The items of ``values`` (from :meth:`epoch_values`) whose names go to the logger."""
-        out = {}
+        out = Snapshot()
         for key, value in values.items():
             opts = self.options.get(key) or self.options.get(key.removesuffix("_epoch"))
             if opts is None or opts.logger:
@@ -142,6 +155,14 @@ class MetricStore:
         self.options.update({k: LogOptions(*v) for k, v in state.get("options", {}).items()})
         self.sums.update({k: v.to(self.device) for k, v in state.get("sums", {}).items()})
         self.counts.update(state.get("counts", {}))
+
+
+def _fresh(value: Any) -> bool:
+    """Whether the logged ``value`` can be kept without a copy: a number (its tensor is ours) or
+    a tensor a computation just made (an autograd result, not a view of something else)."""
+    if not isinstance(value, torch.Tensor):
+        return True
+    return value.grad_fn is not None and not value._is_view()
 
 
 def to_floats(values: Mapping[str, torch.Tensor | float]) -> dict[str, float]:

@@ -229,6 +229,7 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
         return
     state = checkpoint_state(tr)
     left = tr.rig.load(path, state)
+    _align_batch_index(tr)
     saved = left.get("callbacks", {})
     for cb in tr.callbacks:
         if cb.state_key in saved:
@@ -236,3 +237,19 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     for cb in tr.callbacks:
         cb.on_load_checkpoint(tr, tr._require_module(), left.get("callback_extras", {}))
     tr._resumed = True
+
+
+def _align_batch_index(tr: Trainer) -> None:
+    """Count the resumed epoch's batches in this run's batches.
+
+    A checkpoint from another number of processes (or batch size) is converted by the loader
+    through the global sample position; the fit state's batch index must follow it, or the end
+    of the epoch (validation, the last accumulation boundary) would come at the wrong batch.
+    """
+    loader, state = tr._train_loader, tr.fit_state
+    if not isinstance(loader, RigDataLoader) or state.epoch_finished:
+        return
+    if loader.epoch == state.epoch:
+        state.batch_idx = loader.batches_seen
+    elif loader.epoch == state.epoch + 1 and loader.batches_seen == 0:
+        state.batch_idx = len(loader)  # the saved position was the end of that epoch's data

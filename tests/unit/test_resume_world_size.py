@@ -1,0 +1,143 @@
+"""A dataloader position saved with one number of processes / batch size, resumed with another.
+
+The ranks of a :class:`ResumableSampler` together walk one global order, so the position is
+"global samples consumed"; these tests build the per-rank loaders of an N-process run directly
+(``num_replicas``/``rank``), no processes needed.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import chain
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+from torchrig.data import ResumableSampler, RigDataLoader
+
+pytestmark = pytest.mark.timeout(15)
+DATA = TensorDataset(torch.arange(40))
+SEED = 7
+CPU = torch.device("cpu")
+
+
+def _loader(batch_size: int, num_replicas: int = 1, rank: int = 0, seed: int = SEED) -> RigDataLoader:
+    sampler = ResumableSampler(DATA, shuffle=True, seed=seed, num_replicas=num_replicas, rank=rank)
+    return RigDataLoader(DataLoader(DATA, batch_size=batch_size, sampler=sampler), device=CPU, seed=seed)
+
+
+def _ids(batches: Any) -> list[list[int]]:
+    return [b[0].tolist() for b in batches]
+
+
+def _global_order(epoch: int) -> list[int]:
+    sampler = ResumableSampler(DATA, shuffle=True, seed=SEED)
+    sampler.set_epoch(epoch)
+    return sampler.indices()
+
+
+def _two_process_state(batches: int, batch_size: int = 4) -> dict[str, Any]:
+    """The loader state of a 2-process run after epoch 0 and ``batches`` batches of epoch 1."""
+    states = []
+    for rank in range(2):
+        loader = _loader(batch_size, num_replicas=2, rank=rank)
+        list(loader)  # epoch 0
+        it = iter(loader)  # epoch 1
+        for _ in range(batches):
+            next(it)
+        states.append(loader.state_dict())
+    assert states[0] == states[1]  # every rank saves the same position (rank 0 writes it)
+    return states[0]
+
+
+def test_state_records_the_global_sample_position_and_the_layout() -> None:
+    state = _two_process_state(3)
+    assert state == {
+        "epoch": 1,
+        "batches_seen": 3,
+        "seed": SEED,
+        "samples_seen": 24,  # 3 batches x 4 samples x 2 processes
+        "num_replicas": 2,
+        "batch_size": 4,
+    }
+
+
+@pytest.mark.parametrize("batch_size", [8, 4])
+def test_two_processes_resumed_on_one_continue_with_the_next_global_samples(batch_size: int) -> None:
+    state = _two_process_state(3)  # 24 samples of epoch 1 consumed
+    uninterrupted = _loader(batch_size)
+    list(uninterrupted)
+    expected = _ids(uninterrupted)[24 // batch_size :]
+    assert list(chain(*expected)) == _global_order(1)[24:]
+
+    resumed = _loader(batch_size, seed=99)  # the seed comes from the checkpoint
+    resumed.load_state_dict(state)
+    assert _ids(resumed) == expected
+    assert resumed.batches_seen == len(resumed) and resumed.epoch == 1
+    uninterrupted_next = _ids(uninterrupted)
+    assert _ids(resumed) == uninterrupted_next  # and epoch 2 as the uninterrupted run has it
+
+
+def test_one_process_resumed_on_two_continues_with_the_next_global_samples() -> None:
+    single = _loader(4)
+    list(single)
+    it = iter(single)
+    for _ in range(4):  # 16 samples of epoch 1
+        next(it)
+    state = single.state_dict()
+    ranks = []
+    for rank in range(2):
+        resumed = _loader(4, num_replicas=2, rank=rank)
+        resumed.load_state_dict(state)
+        ranks.append(_ids(resumed))
+    # step by step, the two ranks' batches together are the next 8 global samples
+    together = [sorted(a + b) for a, b in zip(ranks[0], ranks[1], strict=True)]
+    order = _global_order(1)
+    assert together == [sorted(order[i : i + 8]) for i in range(16, 40, 8)]
+
+
+def test_a_position_inside_a_global_batch_resumes_at_its_start_and_warns() -> None:
+    state = _two_process_state(3)  # 24 samples
+    resumed = _loader(10)
+    message = (
+        "the checkpoint's dataloader stopped 24 samples into epoch 1 (saved with num_replicas=2 x "
+        "batch_size=4); this run takes 10 samples per step (num_replicas=1 x batch_size=10) and 24 is "
+        "not a multiple of 10, so it resumes at sample 20 and 4 samples will be seen again"
+    )
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        resumed.load_state_dict(state)
+    order = _global_order(1)
+    assert _ids(resumed) == [order[20:30], order[30:40]]
+
+
+def test_a_finished_epoch_resumes_at_the_next_epoch_under_another_layout() -> None:
+    # 2 processes x batch 8: 20 samples per rank, batches of 8, 8, 4; the epoch ends at 40 samples
+    state = _two_process_state(3, batch_size=8)
+    assert state["samples_seen"] == len(DATA)
+    resumed = _loader(16)  # 3 batches of 16, 16, 8: without the end-of-epoch mark it would resume at 32
+    resumed.load_state_dict(state)
+    order = _global_order(2)
+    assert _ids(resumed) == [order[0:16], order[16:32], order[32:40]]
+
+
+def test_an_old_state_without_the_sample_position_resumes_by_batches() -> None:
+    old = {"epoch": 1, "batches_seen": 2, "seed": SEED}
+    resumed = _loader(8)
+    resumed.load_state_dict(old)
+    order = _global_order(1)
+    assert _ids(resumed) == [order[i : i + 8] for i in range(16, 40, 8)]
+
+
+def test_a_loader_that_was_not_rebuilt_resumes_by_batches() -> None:
+    class MyBatches(BatchSampler):
+        pass
+
+    loader = RigDataLoader(
+        DataLoader(DATA, batch_sampler=MyBatches(SequentialSampler(DATA), batch_size=8, drop_last=False)), device=CPU
+    )
+    assert "samples_seen" not in loader.state_dict()
+    state = _two_process_state(1)  # a new-format state: its sample position cannot be used here
+    loader.load_state_dict(state)
+    assert _ids(loader) == [list(range(i, i + 8)) for i in range(8, 40, 8)]
