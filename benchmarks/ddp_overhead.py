@@ -1,12 +1,17 @@
 """DDP overhead of torchrig: a hand-written DDP loop vs the same loop through ``Rig``.
 
-Both contenders run in the same 2 processes (gloo, CPU), on the same process group, model,
-data and batch size, alternating in rounds so machine noise hits both alike. The table shows
-the median and best time per training step (forward, backward with the gradient all-reduce,
-optimizer step, data loading) and the median over rounds of Rig / hand-written. Target: <= 1.03x.
+Both contenders live in the same 2 processes (gloo, CPU), on the same process group, with the
+same model, data and batch size, each built once. They then take turns in short blocks of
+steps (A B B A A B ...), with a barrier before each block, and each block of the Rig loop is
+compared with the hand-written block right next to it: the machine's drift (a shared VM whose
+speed swings by tens of percent within seconds) hits both sides of a pair alike. A step is
+forward, backward with the gradient all-reduce, optimizer step and data loading; blocks cross
+epoch boundaries, so ``set_epoch`` and new iterators are inside the timing too. The table shows
+the median and best time per step and the median over pairs of Rig / hand-written, with its
+95% confidence interval, in wall time and in this process's CPU time. Target: <= 1.03x.
 
-    python benchmarks/ddp_overhead.py                 # ~6 s per contender
-    python benchmarks/ddp_overhead.py --seconds 20 --rounds 40
+    python benchmarks/ddp_overhead.py                       # ~40 s
+    python benchmarks/ddp_overhead.py --blocks 400 --block-steps 10
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,6 +30,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import median_interval
 
 WORLD = 2
 
@@ -38,52 +47,54 @@ def make_data() -> TensorDataset:
     return TensorDataset(torch.randn(4096, 256, generator=g), torch.randint(0, 10, (4096,), generator=g))
 
 
-def hand_written(steps: int, batch: int) -> float:
-    """Seconds for ``steps`` steps of a plain DDP loop."""
+def _batches(loader: Any) -> Iterator[Any]:
+    """Endless batches, epoch after epoch (``set_epoch`` for a DistributedSampler, as a hand-written
+    loop does; a prepared loader counts epochs itself)."""
+    epoch = 0
+    while True:
+        if isinstance(getattr(loader, "sampler", None), DistributedSampler):
+            loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def hand_written(batch: int) -> Callable[[], None]:
+    """One step of a plain DDP loop."""
     model = DistributedDataParallel(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = make_data()
-    loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, shuffle=True, seed=0))
-    return _loop(model, optimizer, loader, steps, backward=lambda loss: loss.backward())
+    batches = _batches(DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, shuffle=True, seed=0)))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        x, y = next(batches)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
 
 
-def through_rig(steps: int, batch: int) -> float:
-    """Seconds for ``steps`` steps of the same loop prepared by a Rig (ddp strategy, same group)."""
+def through_rig(batch: int) -> Callable[[], None]:
+    """One step of the same loop prepared by a Rig (ddp strategy, the same process group)."""
     import torchrig
 
     rig = torchrig.Rig(accelerator="cpu", devices=WORLD, strategy="ddp")
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(make_data(), batch_size=batch, shuffle=True)
-    model, optimizer, loader = rig.prepare(model, optimizer, loader)
-    return _loop(model, optimizer, loader, steps, backward=rig.backward)
-
-
-def _loop(model: Any, optimizer: Any, loader: Any, steps: int, backward: Any) -> float:
+    model, optimizer, loader = rig.prepare(model, optimizer, DataLoader(make_data(), batch_size=batch, shuffle=True))
+    batches = _batches(loader)
     loss_fn = nn.CrossEntropyLoss()
-    for i, (x, y) in enumerate(loader):  # warm-up: DDP's first iterations build its buckets
-        backward(loss_fn(model(x), y))
+
+    def step() -> None:
+        x, y = next(batches)
+        loss = loss_fn(model(x), y)
+        rig.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        if i == 2:
-            break
-    done, epoch = 0, 1
-    dist.barrier()
-    start = time.perf_counter()
-    while done < steps:
-        if hasattr(loader, "sampler") and isinstance(loader.sampler, DistributedSampler):
-            loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            loss = loss_fn(model(x), y)
-            backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            done += 1
-            if done == steps:
-                break
-        epoch += 1
-    dist.barrier()
-    return time.perf_counter() - start
+
+    return step
 
 
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -92,45 +103,51 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    contenders = {"hand-written DDP": hand_written, "torchrig Rig (ddp)": through_rig}
-    # Calibrate the step count so one contender run takes about --seconds.
-    probe = hand_written(10, args.batch)
-    steps = max(20, int(args.seconds / args.rounds / (probe / 10)))
-    agreed = torch.tensor(steps)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank must run the same number of steps
-    steps = int(agreed)
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for r in range(args.rounds):
-        order = list(contenders.items()) if r % 2 == 0 else list(reversed(contenders.items()))
-        for name, fn in order:
-            times[name].append(fn(steps, args.batch) / steps)
+    steps = {"hand-written DDP": hand_written(args.batch), "torchrig Rig (ddp)": through_rig(args.batch)}
+    for step in steps.values():  # warm-up: DDP's first iterations build its buckets
+        for _ in range(5):
+            step()
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    for block in range(args.blocks):
+        for name in names if block % 2 == 0 else names[::-1]:
+            step = steps[name]
+            dist.barrier()
+            w, c = time.perf_counter(), time.process_time()
+            for _ in range(args.block_steps):
+                step()
+            wall[name].append((time.perf_counter() - w) / args.block_steps)
+            cpu[name].append((time.process_time() - c) / args.block_steps)
     if rank == 0:
-        report(times, steps, args)
+        report(wall, cpu, args)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def report(times: dict[str, list[float]], steps: int, args: argparse.Namespace) -> None:
-    hand, rig = times["hand-written DDP"], times["torchrig Rig (ddp)"]
-    # Rounds alternate A-B / B-A, so each round's ratio compares neighbours in time: load from
-    # other jobs on the machine shifts both alike. Its median is the headline number.
-    paired = statistics.median(r / h for r, h in zip(rig, hand, strict=True))
+def report(wall: dict[str, list[float]], cpu: dict[str, list[float]], args: argparse.Namespace) -> None:
+    hand, rig = "hand-written DDP", "torchrig Rig (ddp)"
+
+    def paired(times: dict[str, list[float]]) -> str:
+        ratios = [r / h for r, h in zip(times[rig], times[hand], strict=True)]
+        lo, hi = median_interval(ratios) or (float("nan"), float("nan"))
+        return f"{statistics.median(ratios):.3f}x ({lo:.3f}-{hi:.3f})"
+
     print(f"\nDDP overhead, {WORLD} processes, gloo on CPU, torch {torch.__version__}")
-    print(f"{args.rounds} rounds x {steps} steps per contender, batch {args.batch} per process\n")
-    print(f"| {'contender':<20} | {'median ms/step':>14} | {'best ms/step':>12} | {'paired ratio':>12} |")
-    print(f"|{'-' * 22}|{'-' * 16}|{'-' * 14}|{'-' * 14}|")
-    for name, values in times.items():
-        ratio = 1.0 if values is hand else paired
-        print(
-            f"| {name:<20} | {statistics.median(values) * 1e3:>14.3f} | {min(values) * 1e3:>12.3f} | {ratio:>11.3f}x |"
-        )
+    print(f"{args.blocks} blocks x {args.block_steps} steps per contender, batch {args.batch} per process\n")
+    print("| contender | median ms/step | best ms/step | paired ratio, wall (95% CI) | paired ratio, CPU (95% CI) |")
+    print("|---|--:|--:|--:|--:|")
+    for name in (hand, rig):
+        ratios = ("1.000x", "1.000x") if name == hand else (paired(wall), paired(cpu))
+        med, best = statistics.median(wall[name]) * 1e3, min(wall[name]) * 1e3
+        print(f"| {name} | {med:.3f} | {best:.3f} | {ratios[0]} | {ratios[1]} |")
     print(f"\ncommand: python {' '.join(sys.argv)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=6.0, help="time per contender (all rounds)")
-    parser.add_argument("--rounds", type=int, default=20, help="alternating rounds (median and best are reported)")
+    parser.add_argument("--blocks", type=int, default=200, help="blocks per contender (each paired with a neighbour)")
+    parser.add_argument("--block-steps", type=int, default=10, help="steps per block")
     parser.add_argument("--batch", type=int, default=64, help="batch size per process")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
