@@ -183,9 +183,14 @@ class RigDataLoader:
             for _ in range(skip):  # a loader we could not rebuild: skip by reading
                 next(it)
                 self.batches_seen += 1
-            for batch in it:
-                self.batches_seen += 1
-                yield _move(batch, device, non_blocking)
+            if device.type == "cpu":  # a DataLoader makes its batches on the CPU: nothing to move
+                for batch in it:
+                    self.batches_seen += 1
+                    yield batch
+            else:
+                for batch in it:
+                    self.batches_seen += 1
+                    yield _move(batch, device, non_blocking)
         finally:
             if isinstance(sampler, ResumableSampler):
                 sampler.skip = 0

@@ -227,7 +227,7 @@ class Rig:
     # -- the step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` through the precision (scaled under 16-mixed)."""
-        self.precision.backward(loss, **kwargs)
+        self.plan.precision.backward(loss, **kwargs)
 
     def clip_gradients(
         self,

@@ -237,3 +237,45 @@ def test_logged_values_are_those_of_the_step_they_were_logged_at(tmp_path: Path)
     assert [r["seen"] for r in rows] == [1.0, 2.0, 3.0]
     assert [r["w0"] for r in rows] == [1.0, 0.5, 0.0]  # before each step's update
     assert [r["loss"] for r in rows] == [2.0, 1.0, 0.0]
+
+
+def test_csv_logger_flushes_by_time_by_default(tmp_path: Path) -> None:
+    clock = [100.0]
+    with mock.patch("torchrig.trainer.loggers.time.monotonic", lambda: clock[0]):
+        logger = CSVLogger(root_dir=tmp_path)
+        assert (logger.flush_every_n_steps, logger.flush_every_seconds) == (None, 10.0)
+        for step in range(50):  # 50 steps within 10 s: all still buffered
+            logger.log_metrics({"loss": torch.tensor(float(step))}, step=step)
+            clock[0] += 0.1
+        assert not (logger.log_dir / "metrics.csv").exists()
+        clock[0] += 10.0
+        logger.log_metrics({"loss": torch.tensor(50.0)}, step=50)  # 10 s since the logger began
+        assert [r["step"] for r in read_metrics(logger.log_dir)] == list(range(51))
+        logger.log_metrics({"loss": torch.tensor(51.0)}, step=51)  # the clock starts again
+        assert len(read_metrics(logger.log_dir)) == 51
+
+
+def test_csv_logger_flushes_by_count_and_at_the_row_cap(tmp_path: Path) -> None:
+    by_count = CSVLogger(root_dir=tmp_path / "a", flush_every_n_steps=3, flush_every_seconds=None)
+    for step in range(4):
+        by_count.log_metrics({"loss": torch.tensor(1.0)}, step=step)
+    assert len(read_metrics(by_count.log_dir)) == 3
+    with mock.patch("torchrig.trainer.loggers.MAX_BUFFERED_ROWS", 5):
+        capped = CSVLogger(root_dir=tmp_path / "b", flush_every_seconds=None)
+        for step in range(5):
+            capped.log_metrics({"loss": torch.tensor(1.0)}, step=step)
+    assert len(read_metrics(capped.log_dir)) == 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"flush_every_n_steps": 0}, "flush_every_n_steps=0 must be a positive int or None"),
+        ({"flush_every_n_steps": True}, "flush_every_n_steps=True must be a positive int or None"),
+        ({"flush_every_seconds": 0}, r"flush_every_seconds=0 must be a positive number or None \(default 10.0\)"),
+        ({"flush_every_seconds": "5"}, r"flush_every_seconds='5' must be a positive number or None"),
+    ],
+)
+def test_flush_settings_are_checked(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CSVLogger(root_dir=tmp_path, **kwargs)

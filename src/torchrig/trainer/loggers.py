@@ -1,8 +1,10 @@
 """Loggers: :class:`CSVLogger` (the Trainer's default) and :class:`TensorBoardLogger`.
 
 Both write into a versioned run directory ``<root_dir>/<name>/version_N`` and keep logged
-tensors where they are (on the accelerator) until a flush, every ``flush_every_n_steps`` logged
-steps and at the end of the run. A flush converts everything buffered with one host-device
+tensors where they are (on the accelerator) until a flush: every ``flush_every_seconds`` (10 s
+by default; a crash loses at most that much of the metrics), every ``flush_every_n_steps``
+logged steps if set, after ``MAX_BUFFERED_ROWS`` rows whatever the schedule, and at the end of
+the run. A flush converts everything buffered with one host-device
 sync per device (``torch.cat`` of the scalars, then one ``.tolist()``), so logging every step
 costs no per-step sync. Only global rank zero writes.
 """
@@ -13,6 +15,7 @@ import csv
 import math
 import os
 import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["CSVLogger", "MetricBuffer", "TensorBoardLogger", "next_version_dir", "read_metrics"]
 
 METRICS_FILE = "metrics.csv"
+#: A buffer this long is written whatever the flush schedule (it holds one small tensor per value).
+MAX_BUFFERED_ROWS = 10_000
 HPARAMS_FILE = "hparams.yaml"
 _VERSION_RE = re.compile(r"^version_(\d+)$")
 
@@ -201,13 +206,20 @@ class _BufferedLogger(Logger):
         root_dir: str | os.PathLike[str] = ".",
         name: str = "torchrig_logs",
         version: int | str | None = None,
-        flush_every_n_steps: int = 100,
+        flush_every_n_steps: int | None = None,
+        flush_every_seconds: float | None = 10.0,
         rank_zero: bool | None = None,
     ) -> None:
-        if isinstance(flush_every_n_steps, bool) or not isinstance(flush_every_n_steps, int) or flush_every_n_steps < 1:
-            raise ValueError(f"flush_every_n_steps={flush_every_n_steps!r} must be a positive int (default 100)")
+        bad_n = isinstance(flush_every_n_steps, bool) or not isinstance(flush_every_n_steps, int)
+        if flush_every_n_steps is not None and (bad_n or flush_every_n_steps < 1):
+            raise ValueError(f"flush_every_n_steps={flush_every_n_steps!r} must be a positive int or None")
+        secs = flush_every_seconds
+        if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or not secs > 0):
+            raise ValueError(f"flush_every_seconds={secs!r} must be a positive number or None (default 10.0)")
         self._run = _RunDir(root_dir, name, version)
         self.flush_every_n_steps = flush_every_n_steps
+        self.flush_every_seconds = flush_every_seconds
+        self._last_flush = time.monotonic()
         self._rank_zero = rank_zero
         self._trainer: Trainer | None = None
         self._writer: bool | None = None  # is_writer, once known
@@ -251,7 +263,7 @@ class _BufferedLogger(Logger):
 
     # -- the Logger interface --------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, float | torch.Tensor], step: int) -> None:
-        """Buffer ``metrics`` at ``step`` (tensors stay on their device); flushes every n steps."""
+        """Buffer ``metrics`` at ``step`` (tensors stay on their device); writes when a flush is due."""
         writer = self._writer
         if writer is None:  # asked once: the rank of a process does not change
             writer = self._writer = self.is_writer
@@ -261,7 +273,13 @@ class _BufferedLogger(Logger):
         if epoch is None:
             epoch = getattr(self._trainer, "current_epoch", None) if self._trainer is not None else None
         epoch_int = None if epoch is None else int(epoch)
-        if self._buffer.add(metrics, step=step, epoch=epoch_int, skip="epoch") >= self.flush_every_n_steps:
+        rows = self._buffer.add(metrics, step=step, epoch=epoch_int, skip="epoch")
+        n, secs = self.flush_every_n_steps, self.flush_every_seconds
+        if (
+            rows >= MAX_BUFFERED_ROWS
+            or (n is not None and rows >= n)
+            or (secs is not None and time.monotonic() - self._last_flush >= secs)
+        ):
             self.flush()
 
     def log_hyperparams(self, params: dict[str, Any] | Any) -> None:
@@ -273,6 +291,8 @@ class _BufferedLogger(Logger):
         self._write_hparams(clean)
 
     def flush(self) -> None:
+        """Write everything buffered now (one device-to-host transfer)."""
+        self._last_flush = time.monotonic()
         if self.is_writer and len(self._buffer):
             self._write(self._buffer.drain())
 
@@ -302,7 +322,12 @@ class CSVLogger(_BufferedLogger):
         name: the experiment's directory under ``root_dir``.
         version: ``None`` for the next free ``version_N``; an int for ``version_<int>``; a str
             for that directory name. An existing ``metrics.csv`` there is appended to.
-        flush_every_n_steps: write the buffer after this many ``log_metrics`` calls.
+        flush_every_n_steps: also write the buffer after this many ``log_metrics`` calls
+            (default None: by time only).
+        flush_every_seconds: write the buffer when this many seconds passed since the last
+            write (checked at each ``log_metrics``; default 10, None for no time limit). Time, not
+            a step count, bounds what a crash loses and keeps fast steps from flushing (one
+            host-device sync each) dozens of times a second.
         rank_zero: whether this process writes; ``None`` asks the Trainer (global rank zero).
 
     Example:
@@ -365,7 +390,8 @@ class TensorBoardLogger(_BufferedLogger):
         root_dir: str | os.PathLike[str] = ".",
         name: str = "torchrig_logs",
         version: int | str | None = None,
-        flush_every_n_steps: int = 100,
+        flush_every_n_steps: int | None = None,
+        flush_every_seconds: float | None = 10.0,
         rank_zero: bool | None = None,
     ) -> None:
         try:
@@ -377,7 +403,12 @@ class TensorBoardLogger(_BufferedLogger):
                 "or use CSVLogger"
             ) from err
         super().__init__(
-            root_dir=root_dir, name=name, version=version, flush_every_n_steps=flush_every_n_steps, rank_zero=rank_zero
+            root_dir=root_dir,
+            name=name,
+            version=version,
+            flush_every_n_steps=flush_every_n_steps,
+            flush_every_seconds=flush_every_seconds,
+            rank_zero=rank_zero,
         )
         self._writer_class = SummaryWriter
         self._summary: Any = None

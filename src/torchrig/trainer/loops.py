@@ -141,7 +141,8 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
             tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
         if timed and tr._time_is_up():
             tr.should_stop = True
-        if tr.should_stop or _fit_done(tr):
+        # Inside an epoch only max_steps (of _fit_done's limits) can end the fit.
+        if tr.should_stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps):
             break
 
 
@@ -150,8 +151,8 @@ def train_batch(tr: Trainer, batch: Any, batch_idx: int, is_last: bool) -> Any:
     prepared, accumulate = tr._prepared_module, tr.accumulate_grad_batches
     assert prepared is not None
     if accumulate == 1:  # every batch is a boundary: no context manager, no division
-        output = prepared.call_as_forward(prepared.module.training_step, batch, batch_idx)
-        loss = loss_of(output)
+        output = prepared.call_as_forward(prepared._rig_module.training_step, batch, batch_idx)
+        loss = output if type(output) is torch.Tensor else loss_of(output)
         if loss is not None:
             tr.rig.backward(loss)
         optimizer_step(tr)
