@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import datetime
-import io
 import math
 import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -297,14 +297,13 @@ class Trainer:
         spawned = self.rig.strategy.needs_launch
         self._refresh_hooks()  # no bound methods travel to started processes
         out = self.rig.launch(_worker, self, body, spawned, *args)
-        if spawned and isinstance(out, bytes):  # rank 0 of the started processes sent its results
-            back = torch.load(io.BytesIO(out), weights_only=True)
+        if spawned and isinstance(out, _Returned):  # rank 0 of the started processes sent its results
             module = args[1] if body.__name__ == "run_eval_stage" else args[0]
             module = module if module is not None else self.module
-            if module is not None and back.get("weights") is not None:
-                module.load_state_dict(back["weights"])
-            self.fit_state.load_state_dict(back["fit_state"])
-            return back["result"]
+            if module is not None and out.weights is not None:
+                module.load_state_dict(out.weights)
+            self.fit_state.load_state_dict(out.fit_state)
+            return out.result
         return out
 
     def _require_module(self) -> TrainingModule:
@@ -375,17 +374,25 @@ class Trainer:
         return self.rig.reduce_boolean_decision(up, all=False) if self.rig.world_size > 1 else up
 
 
+@dataclass
+class _Returned:
+    """What rank 0 of started processes sends back: the result, the weights and where the fit is."""
+
+    result: Any
+    weights: dict[str, torch.Tensor] | None
+    fit_state: dict[str, Any]
+
+
 def _worker(rig: Rig, trainer: Trainer, body: Callable[..., Any], spawned: bool, *args: Any) -> Any:
     result = body(trainer, *args)
     if not spawned:
         return result
-    # The started processes end with this call, so tensors go back as bytes, not as shared memory.
+    # The started processes end with this call: tensors go back as CPU copies (the launcher
+    # pickles the return value into a file), not as views of memory that is about to go away.
     module = trainer.module
     weights = {k: v.detach().cpu() for k, v in module.state_dict().items()} if module is not None else None
-    buffer = io.BytesIO()
-    result = apply_to_tensors(result, lambda t: t.detach().cpu())
-    torch.save({"result": result, "weights": weights, "fit_state": trainer.fit_state.state_dict()}, buffer)
-    return buffer.getvalue()
+    cpu_result = apply_to_tensors(result, lambda t: t.detach().cpu())
+    return _Returned(result=cpu_result, weights=weights, fit_state=trainer.fit_state.state_dict())
 
 
 # -- argument checks ---------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""``MetricBuffer``: logged rows whose tensors stay on their device until a flush reads them all at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchrig.trainer.metrics import Snapshot
+
+#: One written row: ``(step, epoch, {name: value})``.
+Row = tuple[int, "int | None", dict[str, float]]
+
+
+class MetricBuffer:
+    """Rows of logged metrics whose tensor values stay on their device until :meth:`drain`.
+
+    Each :meth:`add` copies its tensors in one ``torch.stack`` (they may be changed in place
+    later: a parameter, a running sum), except a :class:`~torchrig.trainer.metrics.Snapshot`'s
+    single value, which nothing changes; :meth:`drain` joins everything buffered with one
+    ``torch.cat`` per device and dtype and reads it with one ``tolist`` per device.
+
+    Example:
+        >>> buf = MetricBuffer()
+        >>> buf.add({"loss": torch.tensor(0.5)}, step=1, epoch=0)
+        1
+        >>> buf.drain()
+        [(1, 0, {'loss': 0.5})]
+    """
+
+    def __init__(self) -> None:
+        # (step, epoch, row) where row maps each name to a float or a (pack, index) position.
+        self._rows: list[tuple[int, int | None, dict[str, Any]]] = []
+        self._packs: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(
+        self, metrics: dict[str, float | torch.Tensor], *, step: int, epoch: int | None, skip: str | None = None
+    ) -> int:
+        """Buffer one row (without the item named ``skip``); returns how many rows are buffered. No host sync."""
+        row: dict[str, Any] = {}
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for name, value in metrics.items():
+            if name == skip:
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"logged metric {name!r} has shape {tuple(value.shape)}; loggers take scalars "
+                        "(log a reduction such as value.mean())"
+                    )
+                tensors.append((name, value.detach() if value.requires_grad else value))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[name] = float(value)
+            else:
+                raise TypeError(f"logged metric {name!r} is a {type(value).__name__}; log a number or a scalar tensor")
+        if len(tensors) == 1:  # the common case (the loss): one small copy, none for a Snapshot
+            name, t = tensors[0]
+            if t.dim():
+                t = t.reshape(())
+            pack = t if isinstance(metrics, Snapshot) else t.clone()
+            self._packs.append(pack)
+            row[name] = (pack, 0)
+        elif tensors:
+            groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+            for name, t in tensors:
+                groups.setdefault((t.device, t.dtype), []).append((name, t))
+            for items in groups.values():
+                pack = torch.stack([t if t.dim() == 0 else t.reshape(()) for _, t in items])  # a copy
+                self._packs.append(pack)
+                row.update((name, (pack, i)) for i, (name, _) in enumerate(items))
+        self._rows.append((int(step), epoch, row))
+        return len(self._rows)
+
+    def drain(self) -> list[Row]:
+        """Convert every buffered tensor to a float (one sync per device) and empty the buffer."""
+        rows, packs = self._rows, self._packs
+        self._rows, self._packs = [], []
+        by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for pack in packs:
+            by_key.setdefault((pack.device, pack.dtype), []).append(pack)
+        offsets: dict[int, int] = {}  # id(pack) -> its first position in the device's values
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        narrow: dict[torch.device, list[bool]] = {}
+        for (device, dtype), same in by_key.items():
+            joined = _join(same)
+            if len(by_key) > 1 or dtype not in (torch.float32, torch.float64):
+                # float64 keeps int metrics exact when dtypes are mixed; MPS has no float64.
+                joined = joined.to(torch.float32 if device.type == "mps" else torch.float64)
+            done = sum(t.numel() for t in by_device.get(device, []))
+            for pack in same:
+                offsets[id(pack)] = done
+                done += pack.numel()
+            by_device.setdefault(device, []).append(joined)
+            narrow.setdefault(device, []).extend([dtype in _NARROW] * joined.numel())
+        values: dict[torch.device, list[float]] = {}
+        for device, parts in by_device.items():
+            floats = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+            values[device] = [_shortest(v) if n else v for v, n in zip(floats, narrow[device], strict=True)]
+        return [(step, epoch, {k: _value(v, values, offsets) for k, v in row.items()}) for step, epoch, row in rows]
+
+
+_NARROW = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _join(packs: list[torch.Tensor]) -> torch.Tensor:
+    """One 1-d tensor of every value in ``packs`` (0-d single values and 1-d stacks), in order."""
+    if all(p.dim() == 0 for p in packs):
+        return torch.stack(packs)
+    return torch.cat([p.reshape(-1) for p in packs])
+
+
+def _value(v: Any, values: dict[torch.device, list[float]], offsets: dict[int, int]) -> float:
+    if isinstance(v, tuple):
+        pack, i = v
+        return values[pack.device][offsets[id(pack)] + i]
+    return float(v)
+
+
+def _shortest(value: float) -> float:
+    """``value`` rounded to the shortest decimal that gives back the same float32, so a logged
+    ``0.49`` reads ``0.49``, not ``0.49000000953674316``."""
+    return float(str(np.float32(value)))
