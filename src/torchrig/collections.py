@@ -63,33 +63,35 @@ def move_to_device(batch: Any, device: torch.device | str, *, non_blocking: bool
         device = torch.device(device)
     if non_blocking is None:
         non_blocking = device.type not in ("cpu", "mps")
-    return _move(batch, device, non_blocking)
+    return move_batch(batch, device, non_blocking)
 
 
 _LEAVES = (str, bytes, int, float, bool, complex, type(None))
 
 
-def _move(data: Any, device: torch.device, nb: bool) -> Any:
+def move_batch(data: Any, device: torch.device, nb: bool) -> Any:
+    """:func:`move_to_device` with ``device`` and ``non_blocking`` already resolved (the
+    prepared loaders call it for every batch)."""
     # Hot path (called for every batch): exact-type checks for the common containers first, no
     # closures, and a device comparison (4x cheaper than a no-op ``Tensor.to``).
     if isinstance(data, torch.Tensor):
         return data if data.device == device else data.to(device, non_blocking=nb)
     cls = type(data)
     if cls is dict:
-        return {k: _move(v, device, nb) for k, v in data.items()}
+        return {k: move_batch(v, device, nb) for k, v in data.items()}
     if cls is list:
-        return [_move(v, device, nb) for v in data]
+        return [move_batch(v, device, nb) for v in data]
     if cls is tuple:
-        return tuple([_move(v, device, nb) for v in data])
+        return tuple([move_batch(v, device, nb) for v in data])
     if isinstance(data, _LEAVES):
         return data
     if isinstance(data, (Mapping, list, tuple)):
-        return _rebuild(data, lambda v: _move(v, device, nb))
+        return _rebuild(data, lambda v: move_batch(v, device, nb))
     move = getattr(data, "to", None)
     if callable(move):
         return move(device, non_blocking=nb) if _takes_non_blocking(cls) else move(device)
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        return _rebuild(data, lambda v: _move(v, device, nb))
+        return _rebuild(data, lambda v: move_batch(v, device, nb))
     return data
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 
-from torchrig.collections import _move
+from torchrig.collections import move_batch
 
 
 class ResumableSampler(Sampler[int]):
@@ -190,7 +190,7 @@ class RigDataLoader:
             else:
                 for batch in it:
                     self.batches_seen += 1
-                    yield _move(batch, device, non_blocking)
+                    yield move_batch(batch, device, non_blocking)
         finally:
             if isinstance(sampler, ResumableSampler):
                 sampler.skip = 0
