@@ -8,6 +8,7 @@ processes together see the same global batches as one process.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Iterator, Sized
@@ -17,6 +18,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 
 from torchrig.collections import move_batch
+
+#: Ticks once per batch any prepared loader yields (see ``RigDataLoader.yielded_at``).
+_YIELDS = itertools.count()
 
 
 class ResumableSampler(Sampler[int]):
@@ -140,6 +144,9 @@ class RigDataLoader:
         self.seed = seed
         self.epoch = -1
         self.batches_seen = 0
+        #: When this loader last yielded a batch, on a clock shared by all prepared loaders of the
+        #: process: the loader whose batch is being processed now has the highest value.
+        self.yielded_at = -1
         self._resume_at: tuple[int, int] | None = None
 
     def __len__(self) -> int:
@@ -186,10 +193,12 @@ class RigDataLoader:
             if device.type == "cpu":  # a DataLoader makes its batches on the CPU: nothing to move
                 for batch in it:
                     self.batches_seen += 1
+                    self.yielded_at = next(_YIELDS)
                     yield batch
             else:
                 for batch in it:
                     self.batches_seen += 1
+                    self.yielded_at = next(_YIELDS)
                     yield move_batch(batch, device, non_blocking)
         finally:
             if isinstance(sampler, ResumableSampler):

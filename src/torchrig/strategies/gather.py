@@ -25,23 +25,22 @@ if TYPE_CHECKING:
 def _padding_of_current_batch(rig: Rig, batch_size: int) -> int:
     """How many padded rows the batch being gathered holds: non-zero only on a padded last batch.
 
-    The batch belongs to a prepared loader that has just yielded its last batch, whose sampler
-    pads, and whose last per-rank batch has ``batch_size`` rows (the most recently prepared such
-    loader wins when several match).
+    The batch is the one the prepared loader that yielded most recently has just given out
+    (``RigDataLoader.yielded_at``): its padding counts when that was the epoch's last batch, the
+    sampler pads, and the gathered tensor has the last batch's number of rows.
     """
-    for loader in reversed(rig._loaders):
-        sampler = getattr(loader.loader, "sampler", None)
-        if not isinstance(sampler, ResumableSampler):
-            continue
-        pad = sampler.total_size - len(sampler.data_source)
-        steps = len(loader)
-        if pad <= 0 or steps == 0 or loader.batches_seen != steps:
-            continue
-        per_rank = loader.loader.batch_size or 1
-        last = sampler.num_samples - (steps - 1) * per_rank
-        if last == batch_size:
-            return pad
-    return 0
+    if not rig._loaders:
+        return 0
+    loader = max(rig._loaders, key=lambda candidate: candidate.yielded_at)
+    sampler = getattr(loader.loader, "sampler", None)
+    if not isinstance(sampler, ResumableSampler) or loader.yielded_at < 0:
+        return 0
+    pad, steps = sampler.total_size - len(sampler.data_source), len(loader)
+    if pad <= 0 or steps == 0 or loader.batches_seen != steps:
+        return 0
+    per_rank = loader.loader.batch_size or 1
+    last = sampler.num_samples - (steps - 1) * per_rank
+    return pad if last == batch_size else 0
 
 
 def gather_for_metrics(rig: Rig, obj: Any) -> Any:

@@ -61,6 +61,12 @@ def check(rig: torchrig.Rig) -> str:
     loader = rig.prepare(DataLoader(list(range(5)), batch_size=2))
     seen_ids = torch.cat([rig.gather_for_metrics(batch) for batch in loader])
     assert seen_ids.tolist() == [0, 1, 2, 3, 4], seen_ids
+    # Two loaders whose last per-rank batches have the same size: only the padded one (7 samples)
+    # loses a duplicate; the even one (10 samples), read after it, keeps all of its samples.
+    even = rig.prepare(DataLoader(list(range(100, 110)), batch_size=4))
+    padded = rig.prepare(DataLoader(list(range(7)), batch_size=3))
+    assert torch.cat([rig.gather_for_metrics(b) for b in padded]).tolist() == list(range(7))
+    assert torch.cat([rig.gather_for_metrics(b) for b in even]).tolist() == list(range(100, 110))
     # a result far larger than a pipe buffer (and holding a tensor) must come back whole
     return f"ok world={world}", torch.arange(1_000_000)
 
