@@ -93,7 +93,7 @@ class RigModule(nn.Module):
         hooks) the method is simply called: the same result, without the detour.
         """
         module = self._rig_module
-        if self._rig_plain and not _has_hooks(module):
+        if self._rig_plain and not (self._forward_hooks or self._forward_pre_hooks or _has_hooks(module)):
             try:
                 return method(*args)
             except RuntimeError as err:

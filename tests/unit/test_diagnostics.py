@@ -114,3 +114,32 @@ def test_known_mismatch_messages_are_recognised() -> None:
         assert is_mismatch(RuntimeError(text)), text
     assert not is_mismatch(RuntimeError("CUDA out of memory"))
     assert not is_mismatch(ValueError("Expected all tensors to be on the same device"))
+
+
+class _Stepper(torchrig.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+
+    def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+        return self.net(torch.randn(3, 4, dtype=torch.float64)).sum()  # a second dtype, inside the step
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_mismatch_inside_a_training_step_called_directly_is_explained() -> None:
+    # One device, 32-true, no hooks: the Trainer calls training_step without the forward wrapper.
+    prepared = _prepared(_Stepper())
+    assert prepared._rig_plain
+    with pytest.raises(DeviceMismatchError, match=r"so a tensor created inside forward\(\) is elsewhere"):
+        prepared.call_as_forward(prepared.module.training_step, None, 0)
+
+
+def test_module_hooks_still_see_a_step_run_as_forward() -> None:
+    prepared = _prepared(_Stepper())
+    seen: list[str] = []
+    prepared.module.register_forward_pre_hook(lambda mod, args: seen.append(type(mod).__name__))
+    with pytest.raises(DeviceMismatchError):
+        prepared.call_as_forward(prepared.module.training_step, None, 0)
+    assert seen == ["_Stepper"]  # the step went through the module's __call__, hooks and all
