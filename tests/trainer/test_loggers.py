@@ -70,10 +70,10 @@ def test_csv_buffers_until_flush_every_n_steps_and_widens_the_header(tmp_path: P
 
 
 def test_no_host_sync_per_step_and_one_per_flush(tmp_path: Path) -> None:
-    """Logging converts nothing; a flush of 50 rows calls ``tolist`` once."""
+    """Logging converts nothing; a flush of 50 rows moves them to the host once (one ``cpu()``)."""
     logger = CSVLogger(root_dir=tmp_path, flush_every_n_steps=1000)
-    calls = {"tolist": 0, "item": 0}
-    real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
+    calls = {"tolist": 0, "item": 0, "cpu": 0}
+    real_tolist, real_item, real_cpu = torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu
 
     def count(name, real):
         def wrapper(self, *a, **k):
@@ -85,12 +85,13 @@ def test_no_host_sync_per_step_and_one_per_flush(tmp_path: Path) -> None:
     with (
         mock.patch.object(torch.Tensor, "tolist", count("tolist", real_tolist)),
         mock.patch.object(torch.Tensor, "item", count("item", real_item)),
+        mock.patch.object(torch.Tensor, "cpu", count("cpu", real_cpu)),
     ):
         for step in range(50):
             logger.log_metrics({"loss": torch.tensor(float(step)), "acc": torch.tensor(step / 100)}, step=step)
-        assert calls == {"tolist": 0, "item": 0}
+        assert calls == {"tolist": 0, "item": 0, "cpu": 0}
         logger.flush()
-        assert calls == {"tolist": 1, "item": 0}
+        assert calls["cpu"] == 1 and calls["item"] == 0 and calls["tolist"] <= 1
     rows = read_metrics(logger.log_dir)
     assert len(rows) == 50 and rows[49] == {"step": 49, "loss": 49.0, "acc": 0.49}
 
@@ -279,3 +280,21 @@ def test_csv_logger_flushes_by_count_and_at_the_row_cap(tmp_path: Path) -> None:
 def test_flush_settings_are_checked(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CSVLogger(root_dir=tmp_path, **kwargs)
+
+
+def test_buffer_reads_every_dtype_exactly_and_float32_in_its_shortest_form() -> None:
+    buf = MetricBuffer()
+    big = 2**40 + 1  # exact in float64, not in float32
+    buf.add({"n": torch.tensor(big), "acc": torch.tensor(0.49), "lr": 1e-3}, step=0, epoch=0)
+    buf.add(
+        {"half": torch.tensor(0.1, dtype=torch.bfloat16), "x": torch.tensor(1 / 3, dtype=torch.float64)},
+        step=1,
+        epoch=0,
+    )
+    buf.add({"acc": torch.tensor([0.25])}, step=2, epoch=None)  # a 1-element tensor
+    rows = buf.drain()
+    assert rows[0] == (0, 0, {"n": float(big), "acc": 0.49, "lr": 0.001})
+    # bfloat16 holds 0.1 as 0.10009765625, whose shortest float32 form is 0.100097656
+    assert rows[1] == (1, 0, {"half": 0.100097656, "x": 1 / 3})
+    assert rows[2] == (2, None, {"acc": 0.25})
+    assert len(buf) == 0 and buf.drain() == []

@@ -76,31 +76,41 @@ class MetricBuffer:
         return len(self._rows)
 
     def drain(self) -> list[Row]:
-        """Convert every buffered tensor to a float (one sync per device) and empty the buffer."""
+        """Convert every buffered tensor to a float (one transfer per device) and empty the buffer."""
         rows, packs = self._rows, self._packs
         self._rows, self._packs = [], []
-        by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
         for pack in packs:
-            by_key.setdefault((pack.device, pack.dtype), []).append(pack)
-        offsets: dict[int, int] = {}  # id(pack) -> its first position in the device's values
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        narrow: dict[torch.device, list[bool]] = {}
-        for (device, dtype), same in by_key.items():
-            joined = _join(same)
-            if len(by_key) > 1 or dtype not in (torch.float32, torch.float64):
-                # float64 keeps int metrics exact when dtypes are mixed; MPS has no float64.
-                joined = joined.to(torch.float32 if device.type == "mps" else torch.float64)
-            done = sum(t.numel() for t in by_device.get(device, []))
-            for pack in same:
-                offsets[id(pack)] = done
-                done += pack.numel()
-            by_device.setdefault(device, []).append(joined)
-            narrow.setdefault(device, []).extend([dtype in _NARROW] * joined.numel())
-        values: dict[torch.device, list[float]] = {}
-        for device, parts in by_device.items():
-            floats = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-            values[device] = [_shortest(v) if n else v for v, n in zip(floats, narrow[device], strict=True)]
-        return [(step, epoch, {k: _value(v, values, offsets) for k, v in row.items()}) for step, epoch, row in rows]
+            by_device.setdefault(pack.device, {}).setdefault(pack.dtype, []).append(pack)
+        where: dict[int, tuple[list[float], int]] = {}  # id(pack) -> (its device's values, first index)
+        for device, groups in by_device.items():
+            # float32 holds every float16/bfloat16/float32 value exactly; float64 also int metrics
+            # (MPS has no float64).
+            narrow_only = all(dtype in _NARROW for dtype in groups)
+            target = torch.float32 if narrow_only or device.type == "mps" else torch.float64
+            parts, segments, order = [], [], []
+            for dtype, group in groups.items():
+                joined = _join(group)
+                parts.append(joined if joined.dtype == target else joined.to(target))
+                segments.append((dtype in _NARROW, joined.numel()))
+                order.extend(group)
+            host = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()  # the one sync for this device
+            values = _readable(host, segments)
+            start = 0
+            for pack in order:
+                where[id(pack)] = (values, start)
+                start += pack.numel()
+        out: list[Row] = []
+        for step, epoch, row in rows:
+            read: dict[str, float] = {}
+            for name, value in row.items():
+                if type(value) is tuple:
+                    found, first = where[id(value[0])]
+                    read[name] = found[first + value[1]]
+                else:
+                    read[name] = value
+            out.append((step, epoch, read))
+        return out
 
 
 _NARROW = (torch.float32, torch.float16, torch.bfloat16)
@@ -113,14 +123,17 @@ def _join(packs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in packs])
 
 
-def _value(v: Any, values: dict[torch.device, list[float]], offsets: dict[int, int]) -> float:
-    if isinstance(v, tuple):
-        pack, i = v
-        return values[pack.device][offsets[id(pack)] + i]
-    return float(v)
-
-
-def _shortest(value: float) -> float:
-    """``value`` rounded to the shortest decimal that gives back the same float32, so a logged
+def _readable(host: torch.Tensor, segments: list[tuple[bool, int]]) -> list[float]:
+    """Python floats of ``host``; values of the ``narrow`` segments (logged as float32 or
+    narrower) rounded to the shortest decimal that gives back the same float32, so a logged
     ``0.49`` reads ``0.49``, not ``0.49000000953674316``."""
-    return float(str(np.float32(value)))
+    out: list[float] = []
+    start = 0
+    for narrow, count in segments:
+        part = host[start : start + count]
+        if narrow:  # numpy prints float32 in its shortest round-trip form
+            out.extend(float(text) for text in part.numpy().astype(np.float32).astype(str).tolist())
+        else:
+            out.extend(part.tolist())
+        start += count
+    return out
