@@ -1,13 +1,14 @@
 """Trainer contenders for ``overhead.py``: torchrig's Trainer and Lightning's, on the same loop.
 
-Each runner builds a fresh Trainer and fits ``steps`` optimizer steps (at least 3 epochs) over
+Each runner builds a fresh Trainer and fits ``steps`` optimizer steps (at least 4 epochs) over
 the workload's loader. What is timed is the steady-state cost of a step, alike for every
 contender: a timing callback reads ``_common.clock`` (this process's CPU time, the clock of
 every contender in the table, the hand-written loop included) at the start of each epoch, and
 the runner reports the time from the start of the second epoch to the start of the last one,
 scaled to ``steps`` steps. Inside that window: every step, ``self.log``, the whole of each
-epoch's start and end (every callback's and the module's hooks, the logger's buffered writes,
-the checkpoint callback's checks), and the progress bar's redraws at its real rate. Outside:
+epoch's start and end (every callback's and the module's hooks, the logger's buffering, the
+checkpoint callback's checks), and the progress bar's redraws at its real rate (our logger
+writes every 10 s, so these sub-second fits write only at their end, outside). Outside:
 ``fit()``'s set-up and first epoch (moving the model, building the optimizer, starting the bar
 and its first draw) and the last epoch with the teardown (the final redraw, the checkpoint
 ``ModelCheckpoint`` writes at the end of every fit, the logger's last flush): one-time costs
