@@ -42,6 +42,18 @@ class MetricBuffer:
     ) -> int:
         """Buffer one row (without the item named ``skip``); returns how many rows are buffered. No host sync."""
         row: dict[str, Any] = {}
+        if type(metrics) is Snapshot:  # the Trainer's: scalars checked when logged, nothing changes them
+            for name, value in metrics.items():
+                if name == skip:
+                    continue
+                if isinstance(value, torch.Tensor):
+                    pack = value if value.dim() == 0 else value.reshape(())
+                    self._packs.append(pack)
+                    row[name] = (pack, 0)
+                else:
+                    row[name] = float(value)
+            self._rows.append((int(step), epoch, row))
+            return len(self._rows)
         tensors: list[tuple[str, torch.Tensor]] = []
         for name, value in metrics.items():
             if name == skip:
@@ -57,11 +69,9 @@ class MetricBuffer:
                 row[name] = float(value)
             else:
                 raise TypeError(f"logged metric {name!r} is a {type(value).__name__}; log a number or a scalar tensor")
-        if len(tensors) == 1:  # the common case (the loss): one small copy, none for a Snapshot
+        if len(tensors) == 1:  # one small copy
             name, t = tensors[0]
-            if t.dim():
-                t = t.reshape(())
-            pack = t if isinstance(metrics, Snapshot) else t.clone()
+            pack = (t if t.dim() == 0 else t.reshape(())).clone()
             self._packs.append(pack)
             row[name] = (pack, 0)
         elif tensors:

@@ -66,7 +66,17 @@ class MetricStore:
 
     def log(self, name: str, value: Any, options: LogOptions, batch_size: int | None = None) -> None:
         """Record ``value`` (a scalar tensor or a number) under ``name``."""
-        tensor = self._to_tensor(name, value)
+        if (  # the common case, a loss: a float32 scalar just computed on the device
+            type(value) is torch.Tensor
+            and value.grad_fn is not None
+            and value.dim() == 0
+            and value.dtype is torch.float32
+            and value.device == self.device
+            and not value._is_view()
+        ):
+            tensor, fresh = value.detach(), True
+        else:
+            tensor, fresh = self._to_tensor(name, value), _fresh(value)
         known = self.options.setdefault(name, options)
         if known is not options and known != options:
             raise ValueError(
@@ -76,7 +86,7 @@ class MetricStore:
         if options.on_step:
             if options.sync_dist and self.rig:
                 tensor = self.rig.all_reduce(tensor, "mean")  # a new tensor
-            elif not _fresh(value):
+            elif not fresh:
                 tensor = tensor.clone()  # read later (loggers, the bar): the value now, not then
             self.step[name] = tensor
         if options.on_epoch:
