@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -207,6 +208,11 @@ class ParallelStrategy(Strategy):
 
     def _destroy_group(self) -> None:
         if self._owns_group and dist.is_initialized():
+            # DDP's reducer and hooks form reference cycles that keep the process group (and the
+            # backend's worker threads) alive until a garbage collection. Collect them now, while
+            # the interpreter is whole: freed during interpreter shutdown instead, gloo's threads
+            # can abort the process ("terminate called without an active exception") at exit.
+            gc.collect()
             dist.destroy_process_group()
         self._owns_group = False
 
