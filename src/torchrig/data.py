@@ -190,16 +190,11 @@ class RigDataLoader:
             for _ in range(skip):  # a loader we could not rebuild: skip by reading
                 next(it)
                 self.batches_seen += 1
-            if device.type == "cpu":  # a DataLoader makes its batches on the CPU: nothing to move
-                for batch in it:
-                    self.batches_seen += 1
-                    self.yielded_at = next(_YIELDS)
-                    yield batch
-            else:
-                for batch in it:
-                    self.batches_seen += 1
-                    self.yielded_at = next(_YIELDS)
-                    yield move_batch(batch, device, non_blocking)
+            move = device.type != "cpu"  # a DataLoader makes its batches on the CPU: nothing to move there
+            for batch in it:
+                self.batches_seen += 1
+                self.yielded_at = next(_YIELDS)
+                yield move_batch(batch, device, non_blocking) if move else batch
         finally:
             if isinstance(sampler, ResumableSampler):
                 sampler.skip = 0

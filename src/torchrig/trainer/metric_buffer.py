@@ -17,9 +17,9 @@ class MetricBuffer:
     """Rows of logged metrics whose tensor values stay on their device until :meth:`drain`.
 
     Each :meth:`add` copies its tensors in one ``torch.stack`` (they may be changed in place
-    later: a parameter, a running sum), except a :class:`~torchrig.trainer.metrics.Snapshot`'s
-    single value, which nothing changes; :meth:`drain` joins everything buffered with one
-    ``torch.cat`` per device and dtype and reads it with one ``tolist`` per device.
+    later: a parameter, a running sum), except those of a
+    :class:`~torchrig.trainer.metrics.Snapshot`, which nothing changes; :meth:`drain` joins
+    everything buffered per device and moves it to the host in one transfer per device.
 
     Example:
         >>> buf = MetricBuffer()
