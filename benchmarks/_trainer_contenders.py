@@ -7,8 +7,9 @@ every contender in the table, the hand-written loop included) at the start of ea
 the runner reports the time from the start of the second epoch to the start of the last one,
 scaled to ``steps`` steps. Inside that window: every step, ``self.log``, the whole of each
 epoch's start and end (every callback's and the module's hooks, the logger's buffering, the
-checkpoint callback's checks), and the progress bar's redraws at its real rate (our logger
-writes every 10 s, so these sub-second fits write only at their end, outside). Outside:
+checkpoint callback's checks), the progress bar's redraws at its real rate, and the writing
+of every row logged in the window (our logger writes every 10 s, so the timer makes it write
+the window's rows at the window's end, inside it, see :func:`_timer`). Outside:
 ``fit()``'s set-up and first epoch (moving the model, building the optimizer, starting the bar
 and its first draw) and the last epoch with the teardown (the final redraw, the checkpoint
 ``ModelCheckpoint`` writes at the end of every fit, the logger's last flush): one-time costs
@@ -44,9 +45,15 @@ def _scratch_dir() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _timer(base: type) -> Any:
+def _timer(base: type, flush_epochs: int | None = None) -> Any:
     """A callback of the framework whose Callback class is ``base`` that reads the clock at
-    every epoch start; :func:`_steady` turns that into the time of the steps in between."""
+    every epoch start; :func:`_steady` turns that into the time of the steps in between.
+
+    With ``flush_epochs`` (the fit's number of epochs) it also makes our loggers write what they
+    buffered, once just before the timed window (the first epoch's rows, not charged) and once
+    at its end, inside it: the rows of the timed steps are then converted and written within
+    the window, as a 10 s flush would in a longer run, instead of at the end of the fit.
+    """
 
     class Timer(base):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:
@@ -54,6 +61,9 @@ def _timer(base: type) -> Any:
             self.starts: list[float] = []
 
         def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+            if flush_epochs is not None and len(self.starts) in (1, flush_epochs - 1):
+                for logger in trainer.loggers:
+                    logger.flush()
             self.starts.append(clock())
 
     return Timer()
@@ -110,7 +120,7 @@ def _torchrig(w: Any, *, lean: bool, checkpointing: bool = True) -> Runner:
 
     def run(steps: int) -> float:
         with _scratch_dir() as root:
-            timer = _timer(Callback)
+            timer = _timer(Callback, flush_epochs=steps // w.batches)
             if lean:
                 extra: dict[str, Any] = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False)
                 extra["callbacks"] = [timer]

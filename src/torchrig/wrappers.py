@@ -98,7 +98,30 @@ class RigModule(nn.Module):
                 return method(*args)
             except RuntimeError as err:
                 self._rig_reraise(err, args, {})
-        attrs = module.__dict__  # the instance dict, past nn.Module's slower __setattr__
+        return self._call_swapped(method, *args)
+
+    def step_caller(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``call_as_forward`` bound to ``method``, for calling it once per batch: when the
+        module is plain, what can be worked out once is, and each call only checks that no
+        hook was registered since (then it takes the hooks' route, as ``call_as_forward``)."""
+        if not self._rig_plain:
+            return lambda *args: self._call_swapped(method, *args)
+        hooks = (self._forward_hooks, self._forward_pre_hooks, *_hook_dicts(self._rig_module))
+        reraise = self._rig_reraise
+
+        def call(*args: Any) -> Any:
+            if any(hooks):
+                return self._call_swapped(method, *args)
+            try:
+                return method(*args)
+            except RuntimeError as err:
+                reraise(err, args, {})
+
+        return call
+
+    def _call_swapped(self, method: Callable[..., Any], *args: Any) -> Any:
+        """``method(*args)`` run as the module's ``forward``, through the wrapper's ``__call__``."""
+        attrs = self._rig_module.__dict__  # the instance dict, past nn.Module's slower __setattr__
 
         def step_forward(*a: Any) -> Any:
             attrs.pop("forward", None)
@@ -134,18 +157,24 @@ class RigModule(nn.Module):
         return self._rig_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
+def _hook_dicts(module: nn.Module) -> tuple[dict[Any, Any], ...]:
+    """The hook registries ``module.__call__`` runs: the module's own and the global ones.
+    (Registering a hook adds to one of these dicts; none of them is ever replaced.)"""
+    return (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+        _nn_module._global_forward_hooks,
+        _nn_module._global_forward_pre_hooks,
+        _nn_module._global_backward_hooks,
+        _nn_module._global_backward_pre_hooks,
+    )
+
+
 def _has_hooks(module: nn.Module) -> bool:
     """Whether ``module.__call__`` would run hooks (the module's own or global module hooks)."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or _nn_module._global_forward_hooks
-        or _nn_module._global_forward_pre_hooks
-        or _nn_module._global_backward_hooks
-        or _nn_module._global_backward_pre_hooks
-    )
+    return any(_hook_dicts(module))
 
 
 _OWN = ("_rig_optimizer", "_rig_precision", "step", "zero_grad")

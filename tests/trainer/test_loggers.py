@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import pickle
 import threading
@@ -15,6 +16,7 @@ import torch
 import yaml
 
 from torchrig.trainer.loggers import CSVLogger, MetricBuffer, TensorBoardLogger, next_version_dir, read_metrics
+from torchrig.trainer.metric_buffer import format_floats
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -69,29 +71,40 @@ def test_csv_buffers_until_flush_every_n_steps_and_widens_the_header(tmp_path: P
     ]
 
 
-def test_no_host_sync_per_step_and_one_per_flush(tmp_path: Path) -> None:
-    """Logging converts nothing; a flush of 50 rows moves them to the host once (one ``cpu()``)."""
+@pytest.mark.parametrize("on_accelerator", [False, True], ids=["cpu-tensors", "accelerator-tensors"])
+def test_no_host_sync_per_step_and_one_per_flush(tmp_path: Path, on_accelerator: bool) -> None:
+    """Logging reads nothing. A flush reads CPU tensors directly; tensors on an accelerator
+    (simulated: ``is_cpu`` False) are stacked and moved to the host once per device and dtype,
+    never one value at a time."""
     logger = CSVLogger(root_dir=tmp_path, flush_every_n_steps=1000)
-    calls = {"tolist": 0, "item": 0, "cpu": 0}
-    real_tolist, real_item, real_cpu = torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu
+    calls = {"tolist": 0, "item": 0, "stack": 0}
+    real_tolist, real_item, real_stack = torch.Tensor.tolist, torch.Tensor.item, torch.stack
 
     def count(name, real):
-        def wrapper(self, *a, **k):
+        def wrapper(*a, **k):
             calls[name] += 1
-            return real(self, *a, **k)
+            return real(*a, **k)
 
         return wrapper
 
-    with (
+    patches = [
         mock.patch.object(torch.Tensor, "tolist", count("tolist", real_tolist)),
         mock.patch.object(torch.Tensor, "item", count("item", real_item)),
-        mock.patch.object(torch.Tensor, "cpu", count("cpu", real_cpu)),
-    ):
+        mock.patch.object(torch, "stack", count("stack", real_stack)),
+    ]
+    if on_accelerator:
+        patches.append(mock.patch.object(torch.Tensor, "is_cpu", property(lambda self: False)))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
         for step in range(50):
             logger.log_metrics({"loss": torch.tensor(float(step)), "acc": torch.tensor(step / 100)}, step=step)
-        assert calls == {"tolist": 0, "item": 0, "cpu": 0}
+        assert calls == {"tolist": 0, "item": 0, "stack": 0}
         logger.flush()
-        assert calls["cpu"] == 1 and calls["item"] == 0 and calls["tolist"] <= 1
+        if on_accelerator:  # both float32: one stack, one transfer
+            assert calls == {"tolist": 1, "item": 0, "stack": 1}
+        else:
+            assert calls == {"tolist": 0, "item": 100, "stack": 0}
     rows = read_metrics(logger.log_dir)
     assert len(rows) == 50 and rows[49] == {"step": 49, "loss": 49.0, "acc": 0.49}
 
@@ -282,19 +295,33 @@ def test_flush_settings_are_checked(tmp_path: Path, kwargs: dict[str, Any], mess
         CSVLogger(root_dir=tmp_path, **kwargs)
 
 
-def test_buffer_reads_every_dtype_exactly_and_float32_in_its_shortest_form() -> None:
+def test_buffer_reads_every_dtype_exactly_and_csv_writes_float32_in_its_shortest_form(tmp_path: Path) -> None:
     buf = MetricBuffer()
     big = 2**40 + 1  # exact in float64, not in float32
     buf.add({"n": torch.tensor(big), "acc": torch.tensor(0.49), "lr": 1e-3}, step=0, epoch=0)
-    buf.add(
-        {"half": torch.tensor(0.1, dtype=torch.bfloat16), "x": torch.tensor(1 / 3, dtype=torch.float64)},
-        step=1,
-        epoch=0,
-    )
+    half = torch.tensor(0.1, dtype=torch.bfloat16)
+    buf.add({"half": half, "x": torch.tensor(1 / 3, dtype=torch.float64)}, step=1, epoch=0)
     buf.add({"acc": torch.tensor([0.25])}, step=2, epoch=None)  # a 1-element tensor
     rows = buf.drain()
-    assert rows[0] == (0, 0, {"n": float(big), "acc": 0.49, "lr": 0.001})
-    # bfloat16 holds 0.1 as 0.10009765625, whose shortest float32 form is 0.100097656
-    assert rows[1] == (1, 0, {"half": 0.100097656, "x": 1 / 3})
+    # Exact values: a float32 0.49 is the float it holds, not the decimal that was typed.
+    assert rows[0] == (0, 0, {"n": float(big), "acc": float(torch.tensor(0.49)), "lr": 0.001})
+    assert rows[1] == (1, 0, {"half": float(half), "x": 1 / 3})
     assert rows[2] == (2, None, {"acc": 0.25})
     assert len(buf) == 0 and buf.drain() == []
+    # The CSV file shows each float32-held value in the shortest form that reads back the same:
+    # bfloat16 holds 0.1 as 0.10009765625, whose shortest float32 form is 0.100097656.
+    logger = CSVLogger(root_dir=tmp_path, rank_zero=True)
+    logger._write(rows)
+    with logger.metrics_file.open(newline="") as f:
+        lines = list(csv.reader(f))
+    assert lines == [
+        ["step", "epoch", "n", "acc", "lr", "half", "x"],
+        ["0", "0", "1099511627777.0", "0.49", "0.001", "", ""],
+        ["1", "0", "", "", "", "0.100097656", "0.3333333333333333"],
+        ["2", "", "", "0.25", "", "", ""],
+    ]
+
+
+def test_format_floats_handles_what_float32_cannot_hold() -> None:
+    values = [float("nan"), float("inf"), -0.0, 1e300, 3.0, 1e-45]
+    assert format_floats(values) == ["nan", "inf", "-0.0", "1e+300", "3.0", "1e-45"]

@@ -143,3 +143,28 @@ def test_module_hooks_still_see_a_step_run_as_forward() -> None:
     with pytest.raises(DeviceMismatchError):
         prepared.call_as_forward(prepared.module.training_step, None, 0)
     assert seen == ["_Stepper"]  # the step went through the module's __call__, hooks and all
+
+
+def test_step_caller_explains_a_mismatch_and_follows_hooks_registered_later() -> None:
+    """The Trainer's per-epoch caller: a direct call while no hook exists; a hook registered
+    after it was made (on the module, or globally) is seen from the next call on."""
+    prepared = _prepared(_Stepper())
+    call = prepared.step_caller(prepared.module.training_step)
+    with pytest.raises(DeviceMismatchError, match=r"so a tensor created inside forward\(\) is elsewhere"):
+        call(None, 0)
+    seen: list[str] = []
+    handle = prepared.module.register_forward_pre_hook(lambda mod, args: seen.append("module"))
+    with pytest.raises(DeviceMismatchError):
+        call(None, 0)
+    assert seen == ["module"]
+    handle.remove()
+    glob = nn.modules.module.register_module_forward_pre_hook(lambda mod, args: seen.append(type(mod).__name__))
+    try:
+        with pytest.raises(DeviceMismatchError):
+            call(None, 0)
+    finally:
+        glob.remove()
+    assert seen[1] == "_Stepper"  # the step ran as the module's forward (then its Linear, also hooked)
+    with pytest.raises(DeviceMismatchError):
+        call(None, 0)
+    assert seen.count("_Stepper") == 1  # hooks removed: the direct call again

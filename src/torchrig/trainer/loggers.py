@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from torchrig.trainer.logger_base import Logger
-from torchrig.trainer.metric_buffer import MetricBuffer, Row
+from torchrig.trainer.metric_buffer import MetricBuffer, Row, format_floats
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -154,10 +154,11 @@ class _BufferedLogger(Logger):
         if not writer:
             return
         epoch = metrics.get("epoch")
-        if epoch is None:
-            epoch = getattr(self._trainer, "current_epoch", None) if self._trainer is not None else None
-        epoch_int = None if epoch is None else int(epoch)
-        rows = self._buffer.add(metrics, step=step, epoch=epoch_int, skip="epoch")
+        if type(epoch) is not int:
+            if epoch is None and self._trainer is not None:
+                epoch = getattr(self._trainer, "current_epoch", None)
+            epoch = None if epoch is None else int(epoch)
+        rows = self._buffer.add(metrics, step=step, epoch=epoch, skip="epoch")
         n, secs = self.flush_every_n_steps, self.flush_every_seconds
         if (
             rows >= MAX_BUFFERED_ROWS
@@ -234,25 +235,30 @@ class CSVLogger(_BufferedLogger):
         path = self.metrics_file
         if self._columns is None:  # first write: continue an existing file (a resumed run)
             self._columns = _read_header(path) or ["step", "epoch"]
-        new = [k for _, _, m in rows for k in m if k not in self._columns]
+        known = set(self._columns)
+        new = [k for _, _, m in rows for k in m if k not in known]
         old_rows: Iterable[dict[str, str]] = ()
         rewrite = bool(new) or not path.exists()
         if new:
             self._columns = self._columns + list(dict.fromkeys(new))
             old_rows = _read_rows(path) if path.exists() else []
-        metric_columns = self._columns[2:]
-        records = [[s, "" if e is None else e, *(m.get(c, "") for c in metric_columns)] for s, e, m in rows]
+        steps = [str(s) for s, _, _ in rows]
+        epochs = ["" if e is None else str(e) for _, e, _ in rows]
+        # Every cell is a number or empty, so a line is its cells joined (the csv module's own
+        # line end); the header, whose names may need quoting, goes through csv.writer.
+        cells = zip(steps, epochs, *(_column(rows, c) for c in self._columns[2:]), strict=True)
+        text = "".join([",".join(line) + "\r\n" for line in cells])
         if rewrite:
             tmp = path.with_name(path.name + ".tmp")
             with tmp.open("w", newline="") as f:
                 writer = csv.writer(f)
                 writer.writerow(self._columns)
                 writer.writerows([r.get(c, "") for c in self._columns] for r in old_rows)
-                writer.writerows(records)
+                f.write(text)
             os.replace(tmp, path)  # readers never see a half-written header
         else:
             with path.open("a", newline="") as f:
-                csv.writer(f).writerows(records)
+                f.write(text)
 
 
 class TensorBoardLogger(_BufferedLogger):
@@ -328,6 +334,16 @@ class TensorBoardLogger(_BufferedLogger):
         if self._summary is not None:
             self._summary.close()
             self._summary = None
+
+
+def _column(rows: list[Row], name: str) -> list[str]:
+    """The CSV cells of metric ``name`` in ``rows``: its values as text, empty where not logged."""
+    values = [m.get(name) for _, _, m in rows]
+    if None not in values:
+        return format_floats(values)  # type: ignore[arg-type]
+    present = [v for v in values if v is not None]
+    text = iter(format_floats(present))
+    return ["" if v is None else next(text) for v in values]
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, float | int]]:

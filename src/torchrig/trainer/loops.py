@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +122,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
     # Worked out once per epoch, not per batch: the hot loop only calls what does something.
     batch_end, module = tr._hooks("on_train_batch_end"), tr._require_module()
     timed = tr.max_time is not None
+    one_batch = _batch_runner(tr)
     tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
     while state.batch_idx < n:
         batch_idx = state.batch_idx
@@ -130,7 +131,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
         except StopIteration:
             break
         is_last = batch_idx + 1 >= n
-        output = train_batch(tr, batch, batch_idx, is_last)
+        output = one_batch(batch, batch_idx, is_last)
         state.batch_idx = batch_idx + 1
         if validate_epoch:
             state.val_pending = state.batch_idx % val_every == 0 or (is_last and val_at_last)
@@ -146,50 +147,60 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
             break
 
 
-def train_batch(tr: Trainer, batch: Any, batch_idx: int, is_last: bool) -> Any:
-    """One micro-batch: forward, backward, and at an accumulation boundary the optimizer step."""
-    prepared, accumulate = tr._prepared_module, tr.accumulate_grad_batches
+def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
+    """``one_batch(batch, batch_idx, is_last)``: one micro-batch (forward, backward) and, at an
+    accumulation boundary, the optimizer step; returns what ``training_step`` returned.
+
+    Built at the start of each epoch's batches, so the objects it uses (the prepared module, the
+    Rig, the fit state, the metric store) are looked up once, not per batch. The Trainer's
+    settings (accumulation, clipping, logging interval, optimizers, schedulers) are read at
+    each batch, so a callback may still change them mid-epoch.
+    """
+    prepared = tr._prepared_module
     assert prepared is not None
-    if accumulate == 1:  # every batch is a boundary: no context manager, no division
-        output = prepared.call_as_forward(prepared._rig_module.training_step, batch, batch_idx)
-        loss = output if type(output) is torch.Tensor else loss_of(output)
-        if loss is not None:
-            tr.rig.backward(loss)
-        optimizer_step(tr)
-        return output
-    boundary = (batch_idx + 1) % accumulate == 0 or is_last
-    with tr.rig.no_backward_sync(prepared, enabled=not boundary):
-        output = prepared.call_as_forward(prepared.module.training_step, batch, batch_idx)
-        loss = loss_of(output)
-        if loss is not None:
-            tr.rig.backward(loss / accumulate)
-    if boundary:
-        optimizer_step(tr)
-    return output
+    rig, state, store = tr.rig, tr.fit_state, tr._train_metrics
+    training_step, backward = prepared.step_caller(prepared._rig_module.training_step), rig.backward
 
-
-def optimizer_step(tr: Trainer) -> None:
-    """Clip, step and zero every optimizer, step the per-step schedulers, log every n steps."""
-    optimizers = tr.optimizers
-    if tr.gradient_clip_val is not None:
-        prepared = tr._prepared_module
-        assert prepared is not None
-        by_norm, clip = tr.gradient_clip_algorithm == "norm", tr.gradient_clip_val
+    def step_optimizers() -> None:
+        """Clip, step and zero every optimizer, step the per-step schedulers, log every n steps."""
+        optimizers = tr.optimizers
+        if tr.gradient_clip_val is not None:
+            by_norm, clip = tr.gradient_clip_algorithm == "norm", tr.gradient_clip_val
+            for opt in optimizers:
+                rig.clip_gradients(prepared, opt, max_norm=clip if by_norm else None, clip_val=None if by_norm else clip)
         for opt in optimizers:
-            tr.rig.clip_gradients(prepared, opt, max_norm=clip if by_norm else None, clip_val=None if by_norm else clip)
-    for opt in optimizers:
-        opt.step()
-    for opt in optimizers:
-        opt.zero_grad()
-    state = tr.fit_state
-    state.global_step += 1
-    if tr.lr_scheduler_configs:
-        step_schedulers(tr, "step", state.global_step)
-    if state.global_step % tr.log_every_n_steps == 0:
-        values: dict[str, Any] = tr._train_metrics.step_values(for_logger=True)  # a fresh dict
-        if values:
-            values["epoch"] = state.epoch
-            tr._log_to_loggers(values)
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad()
+        state.global_step += 1
+        if tr.lr_scheduler_configs:
+            step_schedulers(tr, "step", state.global_step)
+        if state.global_step % tr.log_every_n_steps == 0:
+            values: dict[str, Any] = store.step_values(for_logger=True)  # a fresh dict
+            if values:
+                values["epoch"] = state.epoch
+                tr._log_to_loggers(values)
+
+    def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
+        accumulate = tr.accumulate_grad_batches
+        if accumulate == 1:  # every batch is a boundary: no context manager, no division
+            output = training_step(batch, batch_idx)
+            loss = output if type(output) is torch.Tensor else loss_of(output)
+            if loss is not None:
+                backward(loss)
+            step_optimizers()
+            return output
+        boundary = (batch_idx + 1) % accumulate == 0 or is_last
+        with rig.no_backward_sync(prepared, enabled=not boundary):
+            output = training_step(batch, batch_idx)
+            loss = loss_of(output)
+            if loss is not None:
+                backward(loss / accumulate)
+        if boundary:
+            step_optimizers()
+        return output
+
+    return one_batch
 
 
 def step_schedulers(tr: Trainer, interval: str, count: int) -> None:

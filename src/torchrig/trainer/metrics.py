@@ -8,6 +8,7 @@ caller reads :func:`to_floats` (one transfer for all of them).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,15 @@ class LogOptions:
     on_epoch: bool
     sync_dist: bool
 
+    @property
+    def fields(self) -> list[bool]:
+        return [self.prog_bar, self.logger, self.on_step, self.on_epoch, self.sync_dist]
+
+    @functools.cached_property
+    def step_only(self) -> bool:
+        """Only the latest value is kept, as it is: no epoch sum, no cross-process mean."""
+        return self.on_step and not self.on_epoch and not self.sync_dist
+
 
 class MetricStore:
     """Logged values of one stage, on the device.
@@ -56,9 +66,11 @@ class MetricStore:
         self.step: dict[str, torch.Tensor] = {}
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, float] = {}
+        self._logger_step_plain: bool | None = None  # step_values(for_logger=True) is a copy of ``step``
 
     def reset(self) -> None:
         """Forget everything (at the start of an epoch or evaluation run)."""
+        self._logger_step_plain = None
         self.options.clear()
         self.step.clear()
         self.sums.clear()
@@ -66,7 +78,19 @@ class MetricStore:
 
     def log(self, name: str, value: Any, options: LogOptions, batch_size: int | None = None) -> None:
         """Record ``value`` (a scalar tensor or a number) under ``name``."""
-        if (  # the common case, a loss: a float32 scalar just computed on the device
+        if (  # the common case, a loss logged each step: a float32 scalar just computed on the device
+            options.step_only
+            and self.options.get(name) is options
+            and type(value) is torch.Tensor
+            and value.grad_fn is not None
+            and value.dim() == 0
+            and value.dtype is _FLOAT32
+            and value.device == self.device
+            and not value._is_view()
+        ):
+            self.step[name] = value.detach()
+            return
+        if (
             type(value) is torch.Tensor
             and value.grad_fn is not None
             and value.dim() == 0
@@ -78,7 +102,9 @@ class MetricStore:
         else:
             tensor, fresh = self._to_tensor(name, value), _fresh(value)
         known = self.options.setdefault(name, options)
-        if known is not options and known != options:
+        if known is options:
+            self._logger_step_plain = None  # maybe a new name: worked out again when next asked
+        elif known != options:
             raise ValueError(
                 f"self.log({name!r}) was called with {options} but earlier in this stage with {known}; "
                 "log a name with the same options every time"
@@ -117,6 +143,14 @@ class MetricStore:
 
     def step_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> Snapshot:
         """The latest ``on_step`` values (named ``name_step`` when also logged ``on_epoch``)."""
+        if for_logger and not for_prog_bar:
+            plain = self._logger_step_plain
+            if plain is None:  # every step value goes to the logger under its own name?
+                plain = self._logger_step_plain = all(
+                    o.logger and not o.on_epoch for o in self.options.values() if o.on_step
+                )
+            if plain:
+                return Snapshot(self.step)
         out = Snapshot()
         for name, value in self.step.items():
             opts = self.options[name]
@@ -157,7 +191,7 @@ class MetricStore:
         return {
             "sums": {k: v.detach().cpu() for k, v in self.sums.items()},
             "counts": dict(self.counts),
-            "options": {k: list(vars(o).values()) for k, o in self.options.items()},
+            "options": {k: o.fields for k, o in self.options.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -165,6 +199,9 @@ class MetricStore:
         self.options.update({k: LogOptions(*v) for k, v in state.get("options", {}).items()})
         self.sums.update({k: v.to(self.device) for k, v in state.get("sums", {}).items()})
         self.counts.update(state.get("counts", {}))
+
+
+_FLOAT32 = torch.float32
 
 
 def _fresh(value: Any) -> bool:
