@@ -195,6 +195,13 @@ class RigOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._rig_optimizer.zero_grad(set_to_none=set_to_none)
 
+    def step_functions(self) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """``step`` and ``zero_grad`` for calling once per batch: the optimizer's own methods
+        when the precision has nothing to do between them (no GradScaler), else these."""
+        if self._rig_precision.scaler is None:
+            return self._rig_optimizer.step, self._rig_optimizer.zero_grad
+        return self.step, self.zero_grad
+
     def state_dict(self) -> dict[str, Any]:
         return self._rig_optimizer.state_dict()
 

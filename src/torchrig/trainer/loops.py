@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchrig.trainer.metrics import Snapshot, to_floats
+from torchrig.wrappers import RigOptimizer
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -124,12 +125,10 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
     timed = tr.max_time is not None
     one_batch = _batch_runner(tr)
     tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
-    while state.batch_idx < n:
-        batch_idx = state.batch_idx
-        try:
-            batch = next(batches)
-        except StopIteration:
-            break
+    batch_idx = state.batch_idx
+    if batch_idx >= n:
+        return
+    for batch in batches:
         is_last = batch_idx + 1 >= n
         output = one_batch(batch, batch_idx, is_last)
         state.batch_idx = batch_idx + 1
@@ -143,35 +142,38 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
         if timed and tr._time_is_up():
             tr.should_stop = True
         # Inside an epoch only max_steps (of _fit_done's limits) can end the fit.
-        if tr.should_stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps):
+        if is_last or tr.should_stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps):
             break
+        batch_idx += 1
 
 
 def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     """``one_batch(batch, batch_idx, is_last)``: one micro-batch (forward, backward) and, at an
     accumulation boundary, the optimizer step; returns what ``training_step`` returned.
 
-    Built at the start of each epoch's batches, so the objects it uses (the prepared module, the
-    Rig, the fit state, the metric store) are looked up once, not per batch. The Trainer's
-    settings (accumulation, clipping, logging interval, optimizers, schedulers) are read at
+    Built at the start of each epoch's batches, so the objects it uses (the prepared module and
+    optimizers, the Rig, the fit state, the metric store) are looked up once, not per batch.
+    The Trainer's settings (accumulation, clipping, logging interval, schedulers) are read at
     each batch, so a callback may still change them mid-epoch.
     """
     prepared = tr._prepared_module
     assert prepared is not None
-    rig, state, store = tr.rig, tr.fit_state, tr._train_metrics
+    rig, state, store, optimizers = tr.rig, tr.fit_state, tr._train_metrics, list(tr.optimizers)
     training_step, backward = prepared.step_caller(prepared._rig_module.training_step), rig.backward
+    stepping = [o.step_functions() if isinstance(o, RigOptimizer) else (o.step, o.zero_grad) for o in optimizers]
+    steps, zeros = [s for s, _ in stepping], [z for _, z in stepping]
 
     def step_optimizers() -> None:
         """Clip, step and zero every optimizer, step the per-step schedulers, log every n steps."""
-        optimizers = tr.optimizers
         if tr.gradient_clip_val is not None:
-            by_norm, clip = tr.gradient_clip_algorithm == "norm", tr.gradient_clip_val
+            clip = tr.gradient_clip_val
+            max_norm, clip_val = (clip, None) if tr.gradient_clip_algorithm == "norm" else (None, clip)
             for opt in optimizers:
-                rig.clip_gradients(prepared, opt, max_norm=clip if by_norm else None, clip_val=None if by_norm else clip)
-        for opt in optimizers:
-            opt.step()
-        for opt in optimizers:
-            opt.zero_grad()
+                rig.clip_gradients(prepared, opt, max_norm=max_norm, clip_val=clip_val)
+        for step in steps:
+            step()
+        for zero_grad in zeros:
+            zero_grad()
         state.global_step += 1
         if tr.lr_scheduler_configs:
             step_schedulers(tr, "step", state.global_step)

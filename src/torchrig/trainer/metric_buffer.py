@@ -67,18 +67,18 @@ class MetricBuffer:
         """Every buffered row with its values as floats (exact: a float32 value is the float it
         holds); empties the buffer."""
         rows, self._rows = self._rows, []
-        tensors = [v for _, _, values, skip in rows for k, v in values.items() if k != skip and isinstance(v, torch.Tensor)]
-        read = iter(_read(tensors))
-        out: list[Row] = []
-        for step, epoch, values, skip in rows:
-            out.append(
-                (
-                    int(step),
-                    epoch,
-                    {k: next(read) if isinstance(v, torch.Tensor) else float(v) for k, v in values.items() if k != skip},
-                )
+        tensor = torch.Tensor
+        read = iter(
+            _read([v for *_, values, skip in rows for k, v in values.items() if k != skip and isinstance(v, tensor)])
+        )
+        return [
+            (
+                int(step),
+                epoch,
+                {k: next(read) if isinstance(v, tensor) else float(v) for k, v in values.items() if k != skip},
             )
-        return out
+            for step, epoch, values, skip in rows
+        ]
 
 
 def _read(tensors: list[torch.Tensor]) -> list[float]:

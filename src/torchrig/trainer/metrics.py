@@ -78,19 +78,7 @@ class MetricStore:
 
     def log(self, name: str, value: Any, options: LogOptions, batch_size: int | None = None) -> None:
         """Record ``value`` (a scalar tensor or a number) under ``name``."""
-        if (  # the common case, a loss logged each step: a float32 scalar just computed on the device
-            options.step_only
-            and self.options.get(name) is options
-            and type(value) is torch.Tensor
-            and value.grad_fn is not None
-            and value.dim() == 0
-            and value.dtype is _FLOAT32
-            and value.device == self.device
-            and not value._is_view()
-        ):
-            self.step[name] = value.detach()
-            return
-        if (
+        if (  # a float32 scalar just computed on the device (TrainingModule.log has a faster path for it)
             type(value) is torch.Tensor
             and value.grad_fn is not None
             and value.dim() == 0
@@ -101,10 +89,11 @@ class MetricStore:
             tensor, fresh = value.detach(), True
         else:
             tensor, fresh = self._to_tensor(name, value), _fresh(value)
-        known = self.options.setdefault(name, options)
-        if known is options:
-            self._logger_step_plain = None  # maybe a new name: worked out again when next asked
-        elif known != options:
+        known = self.options.get(name)
+        if known is None:
+            self.options[name] = options
+            self._logger_step_plain = None  # a new name: worked out again when next asked
+        elif known is not options and known != options:
             raise ValueError(
                 f"self.log({name!r}) was called with {options} but earlier in this stage with {known}; "
                 "log a name with the same options every time"
@@ -199,9 +188,6 @@ class MetricStore:
         self.options.update({k: LogOptions(*v) for k, v in state.get("options", {}).items()})
         self.sums.update({k: v.to(self.device) for k, v in state.get("sums", {}).items()})
         self.counts.update(state.get("counts", {}))
-
-
-_FLOAT32 = torch.float32
 
 
 def _fresh(value: Any) -> bool:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 #: One LogOptions per combination of self.log's flags (built once, not per call).
 _OPTIONS: dict[tuple[Any, ...], LogOptions] = {}
+_FLOAT32 = torch.float32
 
 
 class TrainingModule(nn.Module):
@@ -148,13 +149,27 @@ class TrainingModule(nn.Module):
         if trainer is None:
             warnings.warn(f"self.log({name!r}) outside a Trainer run is ignored", stacklevel=2)
             return
-        in_step = trainer._logging_in_step
         # One small tuple and one dict lookup per call: the options object is built once per flags.
-        options = _OPTIONS.get((prog_bar, logger, on_step, on_epoch, sync_dist, in_step))
+        options = _OPTIONS.get((prog_bar, logger, on_step, on_epoch, sync_dist, trainer._logging_in_step))
         if options is None:
-            options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, in_step)
+            options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, trainer._logging_in_step)
+        store = trainer._active_metrics
+        if (  # the common case, a loss logged each step again: kept as it is (MetricStore.log's rules)
+            options.step_only
+            and store.options.get(name) is options
+            and type(value) is torch.Tensor
+            and value.requires_grad
+            and value.dim() == 0
+            and value.dtype is _FLOAT32
+            and value.device == store.device
+            and not value.is_leaf
+            and not value._is_view()
+            and not trainer._log_suffix
+        ):
+            store.step[name] = value.detach()
+            return
         # With several eval loaders, each loader's values are kept apart (``name/dataloader_idx_N``).
-        trainer._active_metrics.log(name + trainer._log_suffix, value, options, batch_size)
+        store.log(name + trainer._log_suffix, value, options, batch_size)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         """``self.log(name, value, **kwargs)`` for each item."""
