@@ -4,9 +4,9 @@ Both write into a versioned run directory ``<root_dir>/<name>/version_N`` and ke
 tensors where they are (on the accelerator) until a flush: every ``flush_every_seconds`` (10 s
 by default; a crash loses at most that much of the metrics), every ``flush_every_n_steps``
 logged steps if set, after ``MAX_BUFFERED_ROWS`` rows whatever the schedule, and at the end of
-the run. A flush converts everything buffered with one host-device
-sync per device (``torch.cat`` of the scalars, then one ``.tolist()``), so logging every step
-costs no per-step sync. Only global rank zero writes.
+the run. A flush reads everything buffered in one pass (the values on an accelerator stacked
+and moved once per device and dtype, see :class:`MetricBuffer`), so logging every step costs no
+per-step sync. Only global rank zero writes.
 """
 
 from __future__ import annotations
