@@ -92,18 +92,12 @@ class RigModule(nn.Module):
         ``forward`` again. When nothing wraps the forward (one device, full precision, no module
         hooks) the method is simply called: the same result, without the detour.
         """
-        module = self._rig_module
-        if self._rig_plain and not (self._forward_hooks or self._forward_pre_hooks or _has_hooks(module)):
-            try:
-                return method(*args)
-            except RuntimeError as err:
-                self._rig_reraise(err, args, {})
-        return self._call_swapped(method, *args)
+        return self.step_caller(method)(*args)
 
-    def step_caller(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        """``call_as_forward`` bound to ``method``, for calling it once per batch: when the
-        module is plain, what can be worked out once is, and each call only checks that no
-        hook was registered since (then it takes the hooks' route, as ``call_as_forward``)."""
+    def step_caller(self, method: Any) -> Callable[..., Any]:
+        """``call_as_forward`` bound to ``method``, for calling it once per batch. When the module
+        is plain, each call only checks that no hook was registered since (a hook sends it the
+        wrapper's way, so the hooks see the step as the forward pass)."""
         if not self._rig_plain:
             return lambda *args: self._call_swapped(method, *args)
         hooks = (self._forward_hooks, self._forward_pre_hooks, *_hook_dicts(self._rig_module))
@@ -170,11 +164,6 @@ def _hook_dicts(module: nn.Module) -> tuple[dict[Any, Any], ...]:
         _nn_module._global_backward_hooks,
         _nn_module._global_backward_pre_hooks,
     )
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    """Whether ``module.__call__`` would run hooks (the module's own or global module hooks)."""
-    return any(_hook_dicts(module))
 
 
 _OWN = ("_rig_optimizer", "_rig_precision", "step", "zero_grad")

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -160,7 +160,7 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     assert prepared is not None
     rig, state, store, optimizers = tr.rig, tr.fit_state, tr._train_metrics, list(tr.optimizers)
     training_step, backward = prepared.step_caller(prepared._rig_module.training_step), rig.backward
-    stepping = [o.step_functions() if isinstance(o, RigOptimizer) else (o.step, o.zero_grad) for o in optimizers]
+    stepping = [cast(RigOptimizer, o).step_functions() for o in optimizers]  # rig.prepare wrapped them
     steps, zeros = [s for s, _ in stepping], [z for _, z in stepping]
 
     def step_optimizers() -> None:
@@ -281,9 +281,9 @@ def _eval_loader(tr: Trainer, stage: str, method: Any, loader: Any, idx: int | N
     assert prepared is not None
     if n <= 0:
         return
+    call, with_idx = prepared.step_caller(method), idx is not None and _takes_loader_index(method)
     for batch_idx, batch in enumerate(loader):
-        args = (batch, batch_idx) if idx is None or not _takes_loader_index(method) else (batch, batch_idx, idx)
-        output = prepared.call_as_forward(method, *args)
+        output = call(batch, batch_idx, idx) if with_idx else call(batch, batch_idx)
         tr._call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
         if batch_idx + 1 >= n:
             break
@@ -324,10 +324,11 @@ def run_predict(tr: Trainer) -> list[Any]:
         for loader in loaders:
             n = num_batches(loader, tr.limit_predict_batches)
             outputs: list[Any] = []
+            predict_step = prepared.step_caller(prepared.module.predict_step)
             for batch_idx, batch in enumerate(loader):
                 if batch_idx >= n:
                     break
-                out = prepared.call_as_forward(prepared.module.predict_step, batch, batch_idx)
+                out = predict_step(batch, batch_idx)
                 tr._call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
                 # In dataset order, each sample once (the sampler's padding dropped); free in one process.
                 outputs.append(tr.rig.gather_for_metrics(out))

@@ -78,14 +78,7 @@ class MetricStore:
 
     def log(self, name: str, value: Any, options: LogOptions, batch_size: int | None = None) -> None:
         """Record ``value`` (a scalar tensor or a number) under ``name``."""
-        if (  # a float32 scalar just computed on the device (TrainingModule.log has a faster path for it)
-            type(value) is torch.Tensor
-            and value.grad_fn is not None
-            and value.dim() == 0
-            and value.dtype is torch.float32
-            and value.device == self.device
-            and not value._is_view()
-        ):
+        if fresh_scalar(value, self.device):  # the common case, a loss
             tensor, fresh = value.detach(), True
         else:
             tensor, fresh = self._to_tensor(name, value), _fresh(value)
@@ -188,6 +181,18 @@ class MetricStore:
         self.options.update({k: LogOptions(*v) for k, v in state.get("options", {}).items()})
         self.sums.update({k: v.to(self.device) for k, v in state.get("sums", {}).items()})
         self.counts.update(state.get("counts", {}))
+
+
+def fresh_scalar(value: Any, device: torch.device) -> bool:
+    """Whether ``value`` is logged as it is (detached, no conversion, no copy): a float32 scalar
+    on ``device`` that a computation just made (see :func:`_fresh`), as a loss is."""
+    return (
+        type(value) is torch.Tensor
+        and value.dim() == 0
+        and value.dtype is torch.float32
+        and value.device == device
+        and _fresh(value)
+    )
 
 
 def _fresh(value: Any) -> bool:

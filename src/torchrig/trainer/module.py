@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from torchrig.trainer.metrics import LogOptions
+from torchrig.trainer.metrics import LogOptions, fresh_scalar
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 #: One LogOptions per combination of self.log's flags (built once, not per call).
 _OPTIONS: dict[tuple[Any, ...], LogOptions] = {}
-_FLOAT32 = torch.float32
 
 
 class TrainingModule(nn.Module):
@@ -154,17 +153,11 @@ class TrainingModule(nn.Module):
         if options is None:
             options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, trainer._logging_in_step)
         store = trainer._active_metrics
-        if (  # the common case, a loss logged each step again: kept as it is (MetricStore.log's rules)
+        if (  # a loss logged each step, again: stored as MetricStore.log would, without its checks
             options.step_only
-            and store.options.get(name) is options
-            and type(value) is torch.Tensor
-            and value.requires_grad
-            and value.dim() == 0
-            and value.dtype is _FLOAT32
-            and value.device == store.device
-            and not value.is_leaf
-            and not value._is_view()
             and not trainer._log_suffix
+            and store.options.get(name) is options
+            and fresh_scalar(value, store.device)
         ):
             store.step[name] = value.detach()
             return

@@ -98,11 +98,8 @@ class ProgressBar(Callback):
         # The hot path: a counter, a reference and a clock read. No conversion, no sync.
         self._train.count += 1
         self._loss = outputs
-        if self._progress is not None:
-            now = time.perf_counter()  # _due(), inlined
-            if now - self._last_draw >= self.refresh_interval:
-                self._last_draw = now
-                self._draw_train(trainer)
+        if self._progress is not None and self._due():
+            self._draw_train(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if not _rank_zero(trainer):
