@@ -17,6 +17,7 @@ import yaml
 
 from torchrig.trainer.loggers import CSVLogger, MetricBuffer, TensorBoardLogger, next_version_dir, read_metrics
 from torchrig.trainer.metric_buffer import format_floats
+from torchrig.trainer.metrics import Snapshot
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -73,12 +74,13 @@ def test_csv_buffers_until_flush_every_n_steps_and_widens_the_header(tmp_path: P
 
 @pytest.mark.parametrize("on_accelerator", [False, True], ids=["cpu-tensors", "accelerator-tensors"])
 def test_no_host_sync_per_step_and_one_per_flush(tmp_path: Path, on_accelerator: bool) -> None:
-    """Logging reads nothing. A flush reads CPU tensors directly; tensors on an accelerator
-    (simulated: ``is_cpu`` False) are stacked and moved to the host once per device and dtype,
-    never one value at a time."""
+    """Logging reads nothing. A flush (the CSV logger's ``drain_text``, the TensorBoard logger's
+    ``drain``) reads CPU tensors directly and stacks the others (simulated: ``is_cpu`` False),
+    moving them to the host once per device and dtype, never one value at a time."""
     logger = CSVLogger(root_dir=tmp_path, flush_every_n_steps=1000)
-    calls = {"tolist": 0, "item": 0, "stack": 0}
-    real_tolist, real_item, real_stack = torch.Tensor.tolist, torch.Tensor.item, torch.stack
+    calls = {"tolist": 0, "item": 0, "stack": 0, "cpu": 0}
+    real = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "cpu")}
+    real_stack = torch.stack
 
     def count(name, real):
         def wrapper(*a, **k):
@@ -87,24 +89,28 @@ def test_no_host_sync_per_step_and_one_per_flush(tmp_path: Path, on_accelerator:
 
         return wrapper
 
-    patches = [
-        mock.patch.object(torch.Tensor, "tolist", count("tolist", real_tolist)),
-        mock.patch.object(torch.Tensor, "item", count("item", real_item)),
-        mock.patch.object(torch, "stack", count("stack", real_stack)),
-    ]
+    patches = [mock.patch.object(torch.Tensor, name, count(name, fn)) for name, fn in real.items()]
+    patches.append(mock.patch.object(torch, "stack", count("stack", real_stack)))
     if on_accelerator:
         patches.append(mock.patch.object(torch.Tensor, "is_cpu", property(lambda self: False)))
+    buf = MetricBuffer()
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
         for step in range(50):
-            logger.log_metrics({"loss": torch.tensor(float(step)), "acc": torch.tensor(step / 100)}, step=step)
-        assert calls == {"tolist": 0, "item": 0, "stack": 0}
-        logger.flush()
-        if on_accelerator:  # both float32: one stack, one transfer
-            assert calls == {"tolist": 1, "item": 0, "stack": 1}
-        else:
-            assert calls == {"tolist": 0, "item": 100, "stack": 0}
+            values = {"loss": torch.tensor(float(step)), "acc": torch.tensor(step / 100)}
+            logger.log_metrics(values, step=step)
+            buf.add(values, step=step, epoch=None)
+        assert calls == {"tolist": 0, "item": 0, "stack": 0, "cpu": 0}
+        rows: Any = None
+        for flush in (logger.flush, buf.drain):
+            calls.update(dict.fromkeys(calls, 0))
+            rows = flush()
+            if on_accelerator:  # both float32: one stack, one transfer
+                assert calls == {"tolist": 1, "item": 0, "stack": 1, "cpu": 0}
+            else:
+                assert calls == {"tolist": 0, "item": 100, "stack": 0, "cpu": 0}
+    assert rows[49] == (49, None, {"loss": 49.0, "acc": float(torch.tensor(0.49))})  # from drain
     rows = read_metrics(logger.log_dir)
     assert len(rows) == 50 and rows[49] == {"step": 49, "loss": 49.0, "acc": 0.49}
 
@@ -295,23 +301,29 @@ def test_flush_settings_are_checked(tmp_path: Path, kwargs: dict[str, Any], mess
         CSVLogger(root_dir=tmp_path, **kwargs)
 
 
-def test_buffer_reads_every_dtype_exactly_and_csv_writes_float32_in_its_shortest_form(tmp_path: Path) -> None:
+def _mixed_buffer() -> MetricBuffer:
     buf = MetricBuffer()
     big = 2**40 + 1  # exact in float64, not in float32
     buf.add({"n": torch.tensor(big), "acc": torch.tensor(0.49), "lr": 1e-3}, step=0, epoch=0)
     half = torch.tensor(0.1, dtype=torch.bfloat16)
     buf.add({"half": half, "x": torch.tensor(1 / 3, dtype=torch.float64)}, step=1, epoch=0)
     buf.add({"acc": torch.tensor([0.25])}, step=2, epoch=None)  # a 1-element tensor
+    return buf
+
+
+def test_buffer_reads_every_dtype_exactly_and_csv_writes_float32_in_its_shortest_form(tmp_path: Path) -> None:
+    buf = _mixed_buffer()
     rows = buf.drain()
     # Exact values: a float32 0.49 is the float it holds, not the decimal that was typed.
-    assert rows[0] == (0, 0, {"n": float(big), "acc": float(torch.tensor(0.49)), "lr": 0.001})
+    half = torch.tensor(0.1, dtype=torch.bfloat16)
+    assert rows[0] == (0, 0, {"n": float(2**40 + 1), "acc": float(torch.tensor(0.49)), "lr": 0.001})
     assert rows[1] == (1, 0, {"half": float(half), "x": 1 / 3})
     assert rows[2] == (2, None, {"acc": 0.25})
     assert len(buf) == 0 and buf.drain() == []
     # The CSV file shows each float32-held value in the shortest form that reads back the same:
     # bfloat16 holds 0.1 as 0.10009765625, whose shortest float32 form is 0.100097656.
     logger = CSVLogger(root_dir=tmp_path, rank_zero=True)
-    logger._write(rows)
+    logger._write(_mixed_buffer())
     with logger.metrics_file.open(newline="") as f:
         lines = list(csv.reader(f))
     assert lines == [
@@ -320,6 +332,32 @@ def test_buffer_reads_every_dtype_exactly_and_csv_writes_float32_in_its_shortest
         ["1", "0", "", "", "", "0.100097656", "0.3333333333333333"],
         ["2", "", "", "0.25", "", "", ""],
     ]
+
+
+def test_drain_text_gives_each_column_as_format_floats_writes_it() -> None:
+    """Column by column, each value as format_floats writes it (also those float32 cannot show
+    briefly); missing cells empty, the skipped name ("epoch", the row's own) not a column."""
+    values = [0.49, 1 / 3, float("nan"), float("inf"), -0.0, 1e-45, 3.0, 1e30]
+    buf = MetricBuffer()
+    for step, value in enumerate(values):
+        row = Snapshot({"loss": torch.tensor(value), "epoch": 7})
+        if step == 2:
+            row["acc"] = torch.tensor(0.5)
+        buf.add(row, step=step, epoch=7, skip="epoch")
+    buf.add({"loss": 2.5}, step=99, epoch=None)  # a number: the column leaves the fast path
+    steps, epochs, columns = buf.drain_text()
+    floats = [float(torch.tensor(v)) for v in values]
+    assert steps == [str(s) for s in range(len(values))] + ["99"]
+    assert epochs == ["7"] * len(values) + [""]
+    assert list(columns) == ["loss", "acc"]  # "epoch" is the row's epoch, not a metric
+    assert columns["loss"] == format_floats([*floats, 2.5])
+    assert columns["loss"][:3] == ["0.49", "0.33333334", "nan"]
+    assert columns["acc"] == ["", "", "0.5"] + [""] * (len(values) - 2)
+    fast = MetricBuffer()
+    for step, value in enumerate(values):
+        fast.add(Snapshot({"loss": torch.tensor(value)}), step=step, epoch=None)
+    assert fast.drain_text()[2]["loss"] == format_floats(floats)
+    assert len(fast) == 0 and fast.drain_text() == ([], [], {})
 
 
 def test_format_floats_handles_what_float32_cannot_hold() -> None:

@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from torchrig.trainer.logger_base import Logger
-from torchrig.trainer.metric_buffer import MetricBuffer, Row, format_floats
+from torchrig.trainer.metric_buffer import MetricBuffer
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -179,14 +179,15 @@ class _BufferedLogger(Logger):
         """Write everything buffered now (one device-to-host transfer)."""
         self._last_flush = time.monotonic()
         if self.is_writer and len(self._buffer):
-            self._write(self._buffer.drain())
+            self._write(self._buffer)
 
     def finalize(self, status: str) -> None:
         self.flush()
         self._close()
 
     # -- what a subclass writes ------------------------------------------------------------
-    def _write(self, rows: list[Row]) -> None:
+    def _write(self, buffer: MetricBuffer) -> None:
+        """Write what ``buffer`` holds, emptying it (``buffer.drain()`` or ``buffer.drain_text()``)."""
         raise NotImplementedError
 
     def _write_hparams(self, params: dict[str, Any]) -> None:
@@ -231,22 +232,22 @@ class CSVLogger(_BufferedLogger):
     def metrics_file(self) -> Path:
         return self.log_dir / METRICS_FILE
 
-    def _write(self, rows: list[Row]) -> None:
+    def _write(self, buffer: MetricBuffer) -> None:
+        steps, epochs, columns = buffer.drain_text()
         path = self.metrics_file
         if self._columns is None:  # first write: continue an existing file (a resumed run)
             self._columns = _read_header(path) or ["step", "epoch"]
         known = set(self._columns)
-        new = [k for _, _, m in rows for k in m if k not in known]
+        new = [k for k in columns if k not in known]
         old_rows: Iterable[dict[str, str]] = ()
         rewrite = bool(new) or not path.exists()
         if new:
-            self._columns = self._columns + list(dict.fromkeys(new))
+            self._columns = self._columns + new
             old_rows = _read_rows(path) if path.exists() else []
-        steps = [str(s) for s, _, _ in rows]
-        epochs = ["" if e is None else str(e) for _, e, _ in rows]
         # Every cell is a number or empty, so a line is its cells joined (the csv module's own
         # line end); the header, whose names may need quoting, goes through csv.writer.
-        cells = zip(steps, epochs, *(_column(rows, c) for c in self._columns[2:]), strict=True)
+        empty = [""] * len(steps)
+        cells = zip(steps, epochs, *(columns.get(c, empty) for c in self._columns[2:]), strict=True)
         text = "".join([",".join(line) + "\r\n" for line in cells])
         if rewrite:
             tmp = path.with_name(path.name + ".tmp")
@@ -313,8 +314,8 @@ class TensorBoardLogger(_BufferedLogger):
             self._summary = self._writer_class(log_dir=str(self.log_dir))
         return self._summary
 
-    def _write(self, rows: list[Row]) -> None:
-        for step, epoch, metrics in rows:
+    def _write(self, buffer: MetricBuffer) -> None:
+        for step, epoch, metrics in buffer.drain():
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, global_step=step)
             if epoch is not None:
@@ -334,16 +335,6 @@ class TensorBoardLogger(_BufferedLogger):
         if self._summary is not None:
             self._summary.close()
             self._summary = None
-
-
-def _column(rows: list[Row], name: str) -> list[str]:
-    """The CSV cells of metric ``name`` in ``rows``: its values as text, empty where not logged."""
-    values = [m.get(name) for _, _, m in rows]
-    if None not in values:
-        return format_floats(values)  # type: ignore[arg-type]
-    present = [v for v in values if v is not None]
-    text = iter(format_floats(present))
-    return ["" if v is None else next(text) for v in values]
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, float | int]]:

@@ -3,6 +3,7 @@ and :func:`format_floats`, the text a CSV file shows for them."""
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,8 @@ class MetricBuffer:
     rows: scalars checked when logged, nothing changes them), so buffering a step costs one
     list append. Any other dict is checked and its tensors copied (they may be changed in place
     later: a parameter, a running sum). :meth:`drain` reads every buffered value at once: CPU
-    tensors directly, the others with one transfer per device and dtype.
+    tensors directly, the others with one transfer per device and dtype. :meth:`drain_text`
+    gives the CSV text column by column.
 
     Example:
         >>> buf = MetricBuffer()
@@ -79,6 +81,58 @@ class MetricBuffer:
             )
             for step, epoch, values, skip in rows
         ]
+
+    def drain_text(self) -> tuple[list[str], list[str], dict[str, list[str]]]:
+        """Every buffered row as CSV cell text, column by column; empties the buffer.
+
+        Returns the steps, the epochs (empty where none) and, per metric name in the order first
+        logged, each row's value as :func:`format_floats` writes it (empty where the row has
+        none). Every value is read as :meth:`drain` reads it and formatted in one vectorized
+        call, with no per-row dict.
+
+        Example:
+            >>> buf = MetricBuffer()
+            >>> _ = buf.add({"loss": torch.tensor(0.5)}, step=1, epoch=0)
+            >>> _ = buf.add({"acc": 0.25}, step=2, epoch=None)
+            >>> buf.drain_text()
+            (['1', '2'], ['0', ''], {'loss': ['0.5', ''], 'acc': ['', '0.25']})
+        """
+        rows, self._rows = self._rows, []
+        steps = [str(row[0]) for row in rows]
+        epochs = ["" if row[1] is None else str(row[1]) for row in rows]
+        skipped = {row[3] for row in rows}
+        cells: dict[str, list[Any]] = {}  # name -> its value in each row, None where it has none
+        for name in dict.fromkeys(chain.from_iterable(row[2] for row in rows)):
+            if name in skipped:
+                column = [None if skip == name else values.get(name) for _, _, values, skip in rows]
+                if all(v is None for v in column):
+                    continue  # only ever a skipped name
+            else:
+                column = [values.get(name) for _, _, values, _ in rows]
+            cells[name] = column
+        present = {name: [v for v in column if v is not None] for name, column in cells.items()}
+        text = _cell_text(present)
+        columns: dict[str, list[str]] = {}
+        for name, column in cells.items():
+            if len(present[name]) == len(column):
+                columns[name] = text[name]
+            else:
+                it = iter(text[name])
+                columns[name] = ["" if v is None else next(it) for v in column]
+        return steps, epochs, columns
+
+
+def _cell_text(columns: dict[str, list[Any]]) -> dict[str, list[str]]:
+    """:func:`format_floats` of each column of scalar tensors and numbers: every tensor of every
+    column read by one :func:`_read`, every value formatted by one call."""
+    values = list(chain.from_iterable(columns.values()))
+    tensor = torch.Tensor
+    read = iter(_read([v for v in values if isinstance(v, tensor)]))
+    text = format_floats([next(read) if isinstance(v, tensor) else float(v) for v in values])
+    out, start = {}, 0
+    for name, column in columns.items():
+        out[name], start = text[start : start + len(column)], start + len(column)
+    return out
 
 
 def _read(tensors: list[torch.Tensor]) -> list[float]:
