@@ -9,7 +9,8 @@ scaled to ``steps`` steps. Inside that window: every step, ``self.log``, the who
 epoch's start and end (every callback's and the module's hooks, the logger's buffering, the
 checkpoint callback's checks), the progress bar's redraws at its real rate, and the writing
 of every row logged in the window (our logger writes every 10 s, so the timer makes it write
-the window's rows at the window's end, inside it, see :func:`_timer`). Outside:
+the window's rows at the window's end, inside it, see :func:`_timer`; a flush's fixed cost is
+then charged once per window, far more often than in a real run). Outside:
 ``fit()``'s set-up and first epoch (moving the model, building the optimizer, starting the bar
 and its first draw) and the last epoch with the teardown (the final redraw, the checkpoint
 ``ModelCheckpoint`` writes at the end of every fit, the logger's last flush): one-time costs
@@ -80,20 +81,24 @@ def _steady(timer: Any, w: Any, steps: int) -> float:
 
 def torchrig_trainer(w: Any) -> Runner:
     """Our Trainer with its defaults: progress bar, CSV logger, checkpointing (each epoch, plus last)."""
-    return _torchrig(w, lean=False)
+    return _torchrig(w)
 
 
 def torchrig_trainer_no_ckpt(w: Any) -> Runner:
     """Our Trainer with progress bar and CSV logging every step, checkpointing off."""
-    return _torchrig(w, lean=False, checkpointing=False)
+    return _torchrig(w, checkpointing=False)
 
 
 def torchrig_trainer_lean(w: Any) -> Runner:
     """Our Trainer with progress bar, logger and checkpointing off."""
-    return _torchrig(w, lean=True)
+    return _torchrig(w, bar=False, logger=False, checkpointing=False)
 
 
-def _torchrig(w: Any, *, lean: bool, checkpointing: bool = True) -> Runner:
+def _torchrig(
+    w: Any, *, bar: bool = True, logger: bool = True, checkpointing: bool = True, charge_flush: bool = True
+) -> Runner:
+    """Our Trainer with the default bar, CSV logger and checkpointing each on or off; with
+    ``charge_flush=False`` the rows logged in the timed window are written after it."""
     from rich.console import Console
 
     from torchrig.trainer.callbacks import Callback
@@ -120,15 +125,20 @@ def _torchrig(w: Any, *, lean: bool, checkpointing: bool = True) -> Runner:
 
     def run(steps: int) -> float:
         with _scratch_dir() as root:
-            timer = _timer(Callback, flush_epochs=steps // w.batches)
-            if lean:
-                extra: dict[str, Any] = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False)
-                extra["callbacks"] = [timer]
-            else:  # the default bar, drawing to a terminal whose output is thrown away
-                extra = dict(callbacks=[ProgressBar(console=Console(file=devnull, force_terminal=True)), timer])
-                extra["enable_checkpointing"] = checkpointing
+            timer = _timer(Callback, flush_epochs=steps // w.batches if charge_flush else None)
+            callbacks: list[Any] = [timer]
+            if bar:  # the default bar, drawing to a terminal whose output is thrown away
+                callbacks.insert(0, ProgressBar(console=Console(file=devnull, force_terminal=True)))
             trainer = Trainer(
-                accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1, default_root_dir=root, **extra
+                accelerator="cpu",
+                devices=1,
+                max_steps=steps,
+                log_every_n_steps=1,
+                default_root_dir=root,
+                callbacks=callbacks,
+                enable_progress_bar=bar,
+                logger=logger,
+                enable_checkpointing=checkpointing,
             )
             trainer.fit(module, loader)
             return _steady(timer, w, steps)
@@ -190,6 +200,18 @@ def _lightning(w: Any, *, lean: bool) -> Runner:
 
     return run
 
+
+#: Our Trainer taken apart: each of the defaults' parts alone (``overhead.py --suite trainer-parts``).
+TRAINER_PARTS = {
+    "torchrig Trainer lean": torchrig_trainer_lean,
+    "bar only": lambda w: _torchrig(w, logger=False, checkpointing=False),
+    "checkpointing only": lambda w: _torchrig(w, bar=False, logger=False),
+    "logger only": lambda w: _torchrig(w, bar=False, checkpointing=False),
+    "logger only, window's rows written after it": lambda w: _torchrig(
+        w, bar=False, checkpointing=False, charge_flush=False
+    ),
+    "torchrig Trainer": torchrig_trainer,
+}
 
 #: name -> contender, in the order they appear in the table.
 TRAINER_CONTENDERS = {

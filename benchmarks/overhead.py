@@ -2,6 +2,8 @@
 
     python benchmarks/overhead.py              # rich table
     python benchmarks/overhead.py --markdown   # for the README
+    python benchmarks/overhead.py --suite trainers --workload small --only torchrig --repeats 161
+    python benchmarks/overhead.py --suite trainer-parts --workload small --repeats 81
 
 Two workloads: a small MLP whose step is dominated by Python overhead (where a wrapper's cost
 shows), and a larger one whose step is dominated by matmuls. Every contender runs the same
@@ -31,7 +33,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Runner, base_parser, clock, environment_line, run_paired, table
-from _trainer_contenders import TRAINER_CONTENDERS
+from _trainer_contenders import TRAINER_CONTENDERS, TRAINER_PARTS
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,16 @@ def build(w: Workload, contenders: dict[str, Callable[[Workload], Runner]] | Non
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the steps per repeat")
-    parser.add_argument("--suite", choices=("loops", "trainers", "all"), default="all", help="which table(s) to time")
+    parser.add_argument(
+        "--suite",
+        choices=("loops", "trainers", "trainer-parts", "all"),
+        default="all",
+        help="which table(s) to time (all: loops and trainers)",
+    )
+    parser.add_argument("--workload", choices=("small", "large", "both"), default="both", help="which MLP(s)")
+    parser.add_argument(
+        "--only", metavar="TEXT", help="time only the contenders whose name contains TEXT (and the hand-written loop)"
+    )
     parser.set_defaults(repeats=21)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -181,13 +192,16 @@ def main(argv: list[str] | None = None) -> int:
         # Trainers: fit() per step (hooks, logging, bar, checkpoint checks; one-time set-up and teardown
         # left out, the same for every Trainer), see _trainer_contenders.
         "trainers": ("Trainer.fit, per step", {"hand-written": hand_written, **TRAINER_CONTENDERS}),
+        "trainer-parts": ("Our Trainer's defaults one by one", {"hand-written": hand_written, **TRAINER_PARTS}),
     }
     print(environment_line("cpu"))
     for key, (label, contenders) in suites.items():
-        if args.suite not in (key, "all"):
+        if args.suite != key and not (args.suite == "all" and key != "trainer-parts"):
             continue
+        if args.only:
+            contenders = {k: v for k, v in contenders.items() if k == "hand-written" or args.only in k}
         rows = []
-        for w in (SMALL, LARGE):
+        for w in {"small": (SMALL,), "large": (LARGE,), "both": (SMALL, LARGE)}[args.workload]:
             # Whole epochs, at least 4 (the Trainer contenders time the epochs between the first and last).
             steps = max(4 * w.batches, int(w.steps * args.scale) // w.batches * w.batches)
             results = run_paired(build(w, contenders), steps=steps, repeats=args.repeats, warmup=4 * w.batches)

@@ -42,3 +42,40 @@ def test_run_paired_puts_every_run_next_to_a_baseline_run_alternating_the_order(
     assert by_name["a"].ratio_to(by_name["base"]) == pytest.approx(2.0)
     assert len(by_name["base"].seconds) == 4
     assert by_name["gone"].missing == "not installed" and by_name["gone"].seconds == []
+
+
+def _bench(*args: str) -> str:
+    """Run a benchmark script in a subprocess (its own torch threads and imports) and return its output."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / args[0]
+    done = subprocess.run(
+        [sys.executable, str(script), *args[1:]], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _ratio(text: str, row: str) -> float:
+    """The ratio (``1.23x``) in the markdown table row of ``row``."""
+    import re
+
+    line = next(line for line in text.splitlines() if f"| {row} |" in line)
+    found = re.search(r"\| (\d+\.\d+)x", line)
+    assert found is not None, line
+    return float(found.group(1))
+
+
+def test_trainer_steps_benchmark_measures_every_configuration() -> None:
+    out = _bench("trainer_steps.py", "--rounds", "1", "--steps", "150", "--flush-epochs", "1", "--markdown")
+    for row in ("torchrig Trainer (defaults)", "torchrig Trainer no ckpt", "torchrig Trainer lean"):
+        assert 0.5 < _ratio(out, row) < 3.0  # a real measurement: the same work on both sides
+    assert "command: python benchmarks/trainer_steps.py --workload small --rounds 1 --steps 150" in out
+
+
+def test_trainer_parts_suite_times_each_part_against_the_hand_written_loop() -> None:
+    out = _bench("overhead.py", "--suite", "trainer-parts", "--workload", "small", "--repeats", "1", "--markdown")
+    rows = ("torchrig Trainer lean", "bar only", "checkpointing only", "logger only", "torchrig Trainer")
+    for row in rows:
+        assert 0.5 < _ratio(out, row) < 3.0
+    assert "Trainer.fit" not in out  # only the suite asked for
