@@ -94,17 +94,9 @@ def torchrig_trainer_lean(w: Any) -> Runner:
     return _torchrig(w, bar=False, logger=False, checkpointing=False)
 
 
-def _torchrig(
-    w: Any, *, bar: bool = True, logger: bool = True, checkpointing: bool = True, charge_flush: bool = True
-) -> Runner:
-    """Our Trainer with the default bar, CSV logger and checkpointing each on or off; with
-    ``charge_flush=False`` the rows logged in the timed window are written after it."""
-    from rich.console import Console
-
-    from torchrig.trainer.callbacks import Callback
+def torchrig_module(w: Any) -> Any:
+    """Our TrainingModule computing what the hand-written loop computes, logging the loss every step."""
     from torchrig.trainer.module import TrainingModule
-    from torchrig.trainer.progress import ProgressBar
-    from torchrig.trainer.trainer import Trainer
 
     class Module(TrainingModule):
         def __init__(self) -> None:
@@ -120,28 +112,51 @@ def _torchrig(
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return w.optimizer(self.net)
 
-    module, loader = Module(), w.loader()
-    devnull = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the runner)
+    return Module()
+
+
+def torchrig_fit(
+    module: Any, loader: Any, *, steps: int, callbacks: list[Any], bar: bool, logger: bool, checkpointing: bool
+) -> None:
+    """``fit`` ``steps`` steps with the default bar (drawing to a terminal whose output is thrown
+    away), CSV logger and checkpointing each on or off, in a scratch directory."""
+    from rich.console import Console
+
+    from torchrig.trainer.progress import ProgressBar
+    from torchrig.trainer.trainer import Trainer
+
+    with _scratch_dir() as root, open(os.devnull, "w") as devnull:
+        if bar:
+            callbacks = [ProgressBar(console=Console(file=devnull, force_terminal=True)), *callbacks]
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            log_every_n_steps=1,
+            default_root_dir=root,
+            callbacks=callbacks,
+            enable_progress_bar=bar,
+            logger=logger,
+            enable_checkpointing=checkpointing,
+        )
+        trainer.fit(module, loader)
+
+
+def _torchrig(
+    w: Any, *, bar: bool = True, logger: bool = True, checkpointing: bool = True, charge_flush: bool = True
+) -> Runner:
+    """Our Trainer with the default bar, CSV logger and checkpointing each on or off; with
+    ``charge_flush=False`` the rows logged in the timed window are written after it."""
+    from torchrig.trainer.callbacks import Callback
+
+    module, loader = torchrig_module(w), w.loader()
 
     def run(steps: int) -> float:
-        with _scratch_dir() as root:
-            timer = _timer(Callback, flush_epochs=steps // w.batches if charge_flush else None)
-            callbacks: list[Any] = [timer]
-            if bar:  # the default bar, drawing to a terminal whose output is thrown away
-                callbacks.insert(0, ProgressBar(console=Console(file=devnull, force_terminal=True)))
-            trainer = Trainer(
-                accelerator="cpu",
-                devices=1,
-                max_steps=steps,
-                log_every_n_steps=1,
-                default_root_dir=root,
-                callbacks=callbacks,
-                enable_progress_bar=bar,
-                logger=logger,
-                enable_checkpointing=checkpointing,
-            )
-            trainer.fit(module, loader)
-            return _steady(timer, w, steps)
+        timer = _timer(Callback, flush_epochs=steps // w.batches if charge_flush else None)
+        torchrig_fit(
+            module, loader, steps=steps, callbacks=[timer], bar=bar, logger=logger, checkpointing=checkpointing
+        )
+        return _steady(timer, w, steps)
 
     return run
 

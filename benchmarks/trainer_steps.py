@@ -29,7 +29,6 @@ defaults this one reads about 2% lower (see ``docs/trainer_tools.md``), so read 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -42,14 +41,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment_line, median_interval
-from _trainer_contenders import _scratch_dir
+from _trainer_contenders import torchrig_fit, torchrig_module
 from overhead import LARGE, SMALL, Workload
 
-#: name -> Trainer keyword arguments (besides the callbacks); "bar" adds the default progress bar.
-CONFIGS: dict[str, dict[str, Any]] = {
-    "torchrig Trainer (defaults)": {"bar": True},
-    "torchrig Trainer no ckpt": {"bar": True, "enable_checkpointing": False},
-    "torchrig Trainer lean": {"enable_progress_bar": False, "logger": False, "enable_checkpointing": False},
+#: name -> which of the default progress bar, CSV logger and checkpointing are on.
+CONFIGS: dict[str, dict[str, bool]] = {
+    "torchrig Trainer (defaults)": {"bar": True, "logger": True, "checkpointing": True},
+    "torchrig Trainer no ckpt": {"bar": True, "logger": True, "checkpointing": False},
+    "torchrig Trainer lean": {"bar": False, "logger": False, "checkpointing": False},
 }
 
 
@@ -75,28 +74,9 @@ def hand_step(w: Workload) -> Callable[[], None]:
     return step
 
 
-def one_round(w: Workload, steps: int, flush_epochs: int, config: dict[str, Any]) -> tuple[float, float, int]:
+def one_round(w: Workload, steps: int, flush_epochs: int, config: dict[str, bool]) -> tuple[float, float, int]:
     """One fit of ``steps`` steps; the seconds of the Trainer's and the hand-written steps, and their count."""
-    from rich.console import Console
-
     from torchrig.trainer.callbacks import Callback
-    from torchrig.trainer.module import TrainingModule
-    from torchrig.trainer.progress import ProgressBar
-    from torchrig.trainer.trainer import Trainer
-
-    class Module(TrainingModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = w.model()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            loss = F.cross_entropy(self.net(x), y)
-            self.log("loss", loss)
-            return loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return w.optimizer(self.net)
 
     hand = hand_step(w)
 
@@ -122,27 +102,8 @@ def one_round(w: Workload, steps: int, flush_epochs: int, config: dict[str, Any]
                 self.count += 1
             self.last = end
 
-    config = dict(config)
     alternate = Alternate()
-    callbacks: list[Any] = [alternate]
-    if config.pop("bar", False):  # the default bar, drawing to a terminal whose output is thrown away
-        devnull = open(os.devnull, "w")  # noqa: SIM115 (closed below)
-        callbacks.insert(0, ProgressBar(console=Console(file=devnull, force_terminal=True)))
-    try:
-        with _scratch_dir() as root:
-            trainer = Trainer(
-                accelerator="cpu",
-                devices=1,
-                max_steps=steps,
-                log_every_n_steps=1,
-                default_root_dir=root,
-                callbacks=callbacks,
-                **config,
-            )
-            trainer.fit(Module(), w.loader())
-    finally:
-        if len(callbacks) > 1:
-            devnull.close()
+    torchrig_fit(torchrig_module(w), w.loader(), steps=steps, callbacks=[alternate], **config)
     return alternate.trainer_s, alternate.hand_s, alternate.count
 
 
