@@ -144,8 +144,24 @@ def table(
             if not r.missing and interval is not None:
                 ratio += f" ({interval[0]:.2f}-{interval[1]:.2f})"
             body.append([workload, r.name, time, ratio])
+    return print_table(title, header, body, markdown=markdown, left=2, group=True)
+
+
+def print_table(
+    title: str,
+    header: Sequence[str],
+    body: Sequence[Sequence[str]],
+    *,
+    markdown: bool,
+    left: int = 1,
+    group: bool = False,
+) -> str | None:
+    """Print ``body`` under ``header``: markdown (returned too) or a rich table. The first ``left``
+    columns are left-aligned, the rest right-aligned; with ``group``, rows sharing their first
+    cell form one section that shows it once."""
     if markdown:
-        lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|---|---|--:|--:|"]
+        align = "|" + "---|" * left + "--:|" * (len(header) - left)
+        lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", align]
         lines += ["| " + " | ".join(row) + " |" for row in body]
         text = "\n".join(lines)
         print(text)
@@ -155,9 +171,12 @@ def table(
 
     t = Table(title=title)
     for i, h in enumerate(header):
-        t.add_column(h, justify="left" if i < 2 else "right")
+        t.add_column(h, justify="left" if i < left else "right")
     last = None
     for row in body:
+        if not group:
+            t.add_row(*row)
+            continue
         if last is not None and row[0] != last:
             t.add_section()
         t.add_row(*([row[0] if row[0] != last else "", *row[1:]]))

@@ -88,7 +88,8 @@ def _timed_loop(w: Workload, loader: Any, one_step: Callable[[Any, Any], None]) 
     return run
 
 
-def hand_written(w: Workload) -> Runner:
+def hand_step(w: Workload) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One step of the hand-written loop (its own model and optimizer) per call."""
     device = torch.device("cpu")
     model = w.model().to(device)
     optimizer = w.optimizer(model)
@@ -100,7 +101,11 @@ def hand_written(w: Workload) -> Runner:
         optimizer.step()
         optimizer.zero_grad()
 
-    return _timed_loop(w, w.loader(), step)
+    return step
+
+
+def hand_written(w: Workload) -> Runner:
+    return _timed_loop(w, w.loader(), hand_step(w))
 
 
 def torchrig_rig(w: Workload) -> Runner:

@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment_line, median_interval
+from _common import environment_line, median_interval, print_table
 from _trainer_contenders import torchrig_fit, torchrig_module
-from overhead import LARGE, SMALL, Workload
+from overhead import LARGE, SMALL, Workload, hand_step
 
 #: name -> which of the default progress bar, CSV logger and checkpointing are on.
 CONFIGS: dict[str, dict[str, bool]] = {
@@ -52,33 +51,29 @@ CONFIGS: dict[str, dict[str, bool]] = {
 }
 
 
-def hand_step(w: Workload) -> Callable[[], None]:
-    """One step of ``overhead.py``'s hand-written loop per call, over its own loader."""
-    model, device = w.model(), torch.device("cpu")
-    optimizer, loader = w.optimizer(model), w.loader()
+def cycling_hand_step(w: Workload) -> Callable[[], None]:
+    """One step of ``overhead.py``'s hand-written loop per call, over its own loader, started
+    again when it runs out."""
+    step, loader = hand_step(w), w.loader()
     batches = iter(loader)
 
-    def step() -> None:
+    def next_step() -> None:
         nonlocal batches
         try:
             x, y = next(batches)
         except StopIteration:
             batches = iter(loader)
             x, y = next(batches)
-        x, y = x.to(device), y.to(device)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        step(x, y)
 
-    return step
+    return next_step
 
 
 def one_round(w: Workload, steps: int, flush_epochs: int, config: dict[str, bool]) -> tuple[float, float, int]:
     """One fit of ``steps`` steps; the seconds of the Trainer's and the hand-written steps, and their count."""
     from torchrig.trainer.callbacks import Callback
 
-    hand = hand_step(w)
+    hand = cycling_hand_step(w)
 
     class Alternate(Callback):
         def __init__(self) -> None:
@@ -139,17 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer_us = statistics.median(t for t, _ in per_step[name]) * 1e6
         hand_us = statistics.median(h for _, h in per_step[name]) * 1e6
         rows.append((name, f"{trainer_us:.1f}", f"{hand_us:.1f}", f"{statistics.median(ratios[name]):.3f}x", interval))
-    if args.markdown:
-        print(f"\n{title}\n")
-        print("| " + " | ".join(header) + " |")
-        print("|---|" + "--:|" * (len(header) - 1))
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
-    else:
-        print(title)
-        widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
-        for row in (header, *rows):
-            print("  ".join(str(c).ljust(wd) for c, wd in zip(row, widths, strict=True)))
+    print_table(title, header, rows, markdown=args.markdown)
     args_line = f"--workload {args.workload} --rounds {args.rounds} --steps {args.steps}"
     args_line += f" --flush-epochs {args.flush_epochs}"
     print(f"\ncommand: python benchmarks/trainer_steps.py {args_line}")

@@ -69,17 +69,9 @@ class MetricBuffer:
         """Every buffered row with its values as floats (exact: a float32 value is the float it
         holds); empties the buffer."""
         rows, self._rows = self._rows, []
-        tensor = torch.Tensor
-        read = iter(
-            _read([v for *_, values, skip in rows for k, v in values.items() if k != skip and isinstance(v, tensor)])
-        )
+        floats = iter(_floats([v for *_, values, skip in rows for k, v in values.items() if k != skip]))
         return [
-            (
-                int(step),
-                epoch,
-                {k: next(read) if isinstance(v, tensor) else float(v) for k, v in values.items() if k != skip},
-            )
-            for step, epoch, values, skip in rows
+            (int(step), epoch, {k: next(floats) for k in values if k != skip}) for step, epoch, values, skip in rows
         ]
 
     def drain_text(self) -> tuple[list[str], list[str], dict[str, list[str]]]:
@@ -110,29 +102,16 @@ class MetricBuffer:
             else:
                 column = [values.get(name) for _, _, values, _ in rows]
             cells[name] = column
-        present = {name: [v for v in column if v is not None] for name, column in cells.items()}
-        text = _cell_text(present)
-        columns: dict[str, list[str]] = {}
-        for name, column in cells.items():
-            if len(present[name]) == len(column):
-                columns[name] = text[name]
-            else:
-                it = iter(text[name])
-                columns[name] = ["" if v is None else next(it) for v in column]
+        text = iter(format_floats(_floats([v for column in cells.values() for v in column if v is not None])))
+        columns = {name: ["" if v is None else next(text) for v in column] for name, column in cells.items()}
         return steps, epochs, columns
 
 
-def _cell_text(columns: dict[str, list[Any]]) -> dict[str, list[str]]:
-    """:func:`format_floats` of each column of scalar tensors and numbers: every tensor of every
-    column read by one :func:`_read`, every value formatted by one call."""
-    values = list(chain.from_iterable(columns.values()))
+def _floats(values: list[Any]) -> list[float]:
+    """Scalar tensors and numbers as floats, in order; every tensor read by one :func:`_read`."""
     tensor = torch.Tensor
     read = iter(_read([v for v in values if isinstance(v, tensor)]))
-    text = format_floats([next(read) if isinstance(v, tensor) else float(v) for v in values])
-    out, start = {}, 0
-    for name, column in columns.items():
-        out[name], start = text[start : start + len(column)], start + len(column)
-    return out
+    return [next(read) if isinstance(v, tensor) else float(v) for v in values]
 
 
 def _read(tensors: list[torch.Tensor]) -> list[float]:
