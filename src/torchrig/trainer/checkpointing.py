@@ -103,11 +103,17 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._last_save_time, self._skipped = time.monotonic(), False
 
+    @property
+    def _idle_events(self) -> tuple[str, ...]:
+        """Events with nothing to do as configured: the Trainer does not call them (it asks at
+        the start of each run). By default it saves at epoch ends only, not per batch."""
+        return ("on_train_batch_end",) if self.every_n_train_steps is None else ()
+
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         n = self.every_n_train_steps
-        if n is None:  # the default: epoch ends only, nothing to do per batch
+        if n is None:  # epoch ends only (not called by the Trainer then, see _idle_events)
             return
         step = trainer.global_step
         if step % n == 0 and step != self._last_step_saved:

@@ -149,39 +149,25 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
 
 def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     """``one_batch(batch, batch_idx, is_last)``: one micro-batch (forward, backward) and, at an
-    accumulation boundary, the optimizer step; returns what ``training_step`` returned.
+    accumulation boundary, the optimizer step and the step's logging; returns what
+    ``training_step`` returned.
 
     Built at the start of each epoch's batches, so the objects it uses (the prepared module and
     optimizers, the Rig, the fit state, the metric store) are looked up once, not per batch.
-    The Trainer's settings (accumulation, clipping, logging interval, schedulers) are read at
-    each batch, so a callback may still change them mid-epoch.
+    The Trainer's settings (accumulation, clipping, logging interval, schedulers, loggers) are
+    read at each batch, so a callback may still change them mid-epoch.
+
+    Inside a step each Python call costs about a microsecond, several times what it costs in a
+    micro-benchmark (the step's kernels leave the caches cold for the interpreter), a sizable part
+    of a small model's step. So the step's bookkeeping is written inline here, not in helpers.
     """
     prepared = tr._prepared_module
     assert prepared is not None
     rig, state, store, optimizers = tr.rig, tr.fit_state, tr._train_metrics, list(tr.optimizers)
-    training_step, backward = prepared.step_caller(prepared._rig_module.training_step), rig.backward
+    training_step = prepared.step_caller(prepared._rig_module.training_step)
+    backward = rig.precision.backward_function()
     stepping = [cast(RigOptimizer, o).step_functions() for o in optimizers]  # rig.prepare wrapped them
     steps, zeros = [s for s, _ in stepping], [z for _, z in stepping]
-
-    def step_optimizers() -> None:
-        """Clip, step and zero every optimizer, step the per-step schedulers, log every n steps."""
-        if tr.gradient_clip_val is not None:
-            clip = tr.gradient_clip_val
-            max_norm, clip_val = (clip, None) if tr.gradient_clip_algorithm == "norm" else (None, clip)
-            for opt in optimizers:
-                rig.clip_gradients(prepared, opt, max_norm=max_norm, clip_val=clip_val)
-        for step in steps:
-            step()
-        for zero_grad in zeros:
-            zero_grad()
-        state.global_step += 1
-        if tr.lr_scheduler_configs:
-            step_schedulers(tr, "step", state.global_step)
-        if state.global_step % tr.log_every_n_steps == 0:
-            values: dict[str, Any] = store.step_values(for_logger=True)  # a fresh dict
-            if values:
-                values["epoch"] = state.epoch
-                tr._log_to_loggers(values)
 
     def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
         accumulate = tr.accumulate_grad_batches
@@ -190,19 +176,45 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
             loss = output if type(output) is torch.Tensor else loss_of(output)
             if loss is not None:
                 backward(loss)
-            step_optimizers()
-            return output
-        boundary = (batch_idx + 1) % accumulate == 0 or is_last
-        with rig.no_backward_sync(prepared, enabled=not boundary):
-            output = training_step(batch, batch_idx)
-            loss = loss_of(output)
-            if loss is not None:
-                backward(loss / accumulate)
-        if boundary:
-            step_optimizers()
+        else:
+            boundary = (batch_idx + 1) % accumulate == 0 or is_last
+            with rig.no_backward_sync(prepared, enabled=not boundary):
+                output = training_step(batch, batch_idx)
+                loss = loss_of(output)
+                if loss is not None:
+                    backward(loss / accumulate)
+            if not boundary:
+                return output
+        # The optimizer step: clip, step and zero every optimizer, step the per-step schedulers.
+        if tr.gradient_clip_val is not None:
+            _clip_gradients(tr, prepared, optimizers)
+        for step in steps:
+            step()
+        for zero_grad in zeros:
+            zero_grad()
+        state.global_step += 1
+        if tr.lr_scheduler_configs:
+            step_schedulers(tr, "step", state.global_step)
+        if state.global_step % tr.log_every_n_steps == 0:  # tr._log_to_loggers(store.step_values(...)), inline
+            # When every step value goes to the loggers under its own name (worked out by
+            # step_values, once per new name), the row is a copy of the step values.
+            plain = store.logger_step_plain
+            values = Snapshot(store.step) if plain else store.step_values(for_logger=True)  # a fresh dict
+            if values:
+                values["epoch"] = state.epoch
+                tr._logged = values
+                for lg in tr.loggers:
+                    lg.log_metrics(values, step=state.global_step)
         return output
 
     return one_batch
+
+
+def _clip_gradients(tr: Trainer, module: torch.nn.Module, optimizers: list[Any]) -> None:
+    clip = tr.gradient_clip_val
+    max_norm, clip_val = (clip, None) if tr.gradient_clip_algorithm == "norm" else (None, clip)
+    for opt in optimizers:
+        tr.rig.clip_gradients(module, opt, max_norm=max_norm, clip_val=clip_val)
 
 
 def step_schedulers(tr: Trainer, interval: str, count: int) -> None:

@@ -66,11 +66,13 @@ class MetricStore:
         self.step: dict[str, torch.Tensor] = {}
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, float] = {}
-        self._logger_step_plain: bool | None = None  # step_values(for_logger=True) is a copy of ``step``
+        #: Whether ``step_values(for_logger=True)`` is a copy of ``step`` (every step value logged
+        #: under its own name); None until ``step_values`` works it out again (after a new name).
+        self.logger_step_plain: bool | None = None
 
     def reset(self) -> None:
         """Forget everything (at the start of an epoch or evaluation run)."""
-        self._logger_step_plain = None
+        self.logger_step_plain = None
         self.options.clear()
         self.step.clear()
         self.sums.clear()
@@ -85,7 +87,7 @@ class MetricStore:
         known = self.options.get(name)
         if known is None:
             self.options[name] = options
-            self._logger_step_plain = None  # a new name: worked out again when next asked
+            self.logger_step_plain = None  # a new name: worked out again when next asked
         elif known is not options and known != options:
             raise ValueError(
                 f"self.log({name!r}) was called with {options} but earlier in this stage with {known}; "
@@ -126,9 +128,9 @@ class MetricStore:
     def step_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> Snapshot:
         """The latest ``on_step`` values (named ``name_step`` when also logged ``on_epoch``)."""
         if for_logger and not for_prog_bar:
-            plain = self._logger_step_plain
+            plain = self.logger_step_plain
             if plain is None:  # every step value goes to the logger under its own name?
-                plain = self._logger_step_plain = all(
+                plain = self.logger_step_plain = all(
                     o.logger and not o.on_epoch for o in self.options.values() if o.on_step
                 )
             if plain:

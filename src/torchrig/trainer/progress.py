@@ -97,11 +97,15 @@ class ProgressBar(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # The hot path: a counter, a reference and a clock read. No conversion, no sync.
+        # The hot path: a counter, a reference and a clock read. No conversion, no sync, and
+        # no call but the clock's (_due, inline: a Python call costs ~1 µs inside a step).
         self._train.count += 1
         self._loss = outputs
-        if self._progress is not None and self._due():
-            self._draw_train(trainer)
+        if self._progress is not None:
+            now = time.perf_counter()
+            if now - self._last_draw >= self.refresh_interval:
+                self._last_draw = now
+                self._draw_train(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if not _rank_zero(trainer):

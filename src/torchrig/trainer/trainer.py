@@ -323,7 +323,10 @@ class Trainer:
         """The callbacks' ``event`` methods that do something (overridden), bound, in order.
 
         Worked out once per event and run (see :meth:`_refresh_hooks`), so an event nobody
-        overrides costs no call at all, which matters for the per-batch ones.
+        overrides costs no call at all, which matters for the per-batch ones. A callback may also
+        name, in ``_idle_events``, the events it overrides that have nothing to do in its
+        configuration (read at the start of each run), as the default ``ModelCheckpoint`` does
+        for ``on_train_batch_end``.
         """
         found = self._hook_cache.get(event)
         if found is None:
@@ -331,7 +334,8 @@ class Trainer:
             found = [
                 getattr(cb, event)
                 for cb in self.callbacks
-                if event in getattr(cb, "__dict__", ()) or getattr(type(cb), event, base) is not base
+                if (event in getattr(cb, "__dict__", ()) or getattr(type(cb), event, base) is not base)
+                and event not in getattr(cb, "_idle_events", ())  # overridden, but idle as configured
             ]
             self._hook_cache[event] = found
         return found
