@@ -25,6 +25,7 @@ import yaml
 
 from torchrig.trainer.logger_base import Logger
 from torchrig.trainer.metric_buffer import MetricBuffer
+from torchrig.trainer.metrics import Snapshot
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -158,7 +159,12 @@ class _BufferedLogger(Logger):
             if epoch is None and self._trainer is not None:
                 epoch = getattr(self._trainer, "current_epoch", None)
             epoch = None if epoch is None else int(epoch)
-        rows = self._buffer.add(metrics, step=step, epoch=epoch, skip="epoch")
+        if type(metrics) is Snapshot:  # the Trainer's rows, kept as they are: MetricBuffer.add, inline
+            buffered = self._buffer.rows
+            buffered.append((step, epoch, metrics, "epoch"))
+            rows = len(buffered)
+        else:
+            rows = self._buffer.add(metrics, step=step, epoch=epoch, skip="epoch")
         n, secs = self.flush_every_n_steps, self.flush_every_seconds
         if (
             rows >= MAX_BUFFERED_ROWS

@@ -34,19 +34,21 @@ class MetricBuffer:
     """
 
     def __init__(self) -> None:
-        # (step, epoch, values, name left out): values map names to scalar tensors or numbers.
-        self._rows: list[tuple[int, int | None, dict[str, Any], str | None]] = []
+        #: The buffered rows, ``(step, epoch, values, name left out)``: values map names to scalar
+        #: tensors or numbers. A caller on a hot path may append a Snapshot row here itself, as
+        #: :meth:`add` would; the list is replaced by a new one at each drain.
+        self.rows: list[tuple[int, int | None, dict[str, Any], str | None]] = []
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self.rows)
 
     def add(
         self, metrics: dict[str, float | torch.Tensor], *, step: int, epoch: int | None, skip: str | None = None
     ) -> int:
         """Buffer one row (without the item named ``skip``); returns how many rows are buffered. No host sync."""
         if type(metrics) is Snapshot:
-            self._rows.append((step, epoch, metrics, skip))
-            return len(self._rows)
+            self.rows.append((step, epoch, metrics, skip))
+            return len(self.rows)
         row: dict[str, Any] = {}
         for name, value in metrics.items():
             if name == skip:
@@ -62,13 +64,13 @@ class MetricBuffer:
                 row[name] = float(value)
             else:
                 raise TypeError(f"logged metric {name!r} is a {type(value).__name__}; log a number or a scalar tensor")
-        self._rows.append((int(step), epoch, row, None))
-        return len(self._rows)
+        self.rows.append((int(step), epoch, row, None))
+        return len(self.rows)
 
     def drain(self) -> list[Row]:
         """Every buffered row with its values as floats (exact: a float32 value is the float it
         holds); empties the buffer."""
-        rows, self._rows = self._rows, []
+        rows, self.rows = self.rows, []
         floats = iter(_floats([v for *_, values, skip in rows for k, v in values.items() if k != skip]))
         return [
             (int(step), epoch, {k: next(floats) for k in values if k != skip}) for step, epoch, values, skip in rows
@@ -89,7 +91,7 @@ class MetricBuffer:
             >>> buf.drain_text()
             (['1', '2'], ['0', ''], {'loss': ['0.5', ''], 'acc': ['', '0.25']})
         """
-        rows, self._rows = self._rows, []
+        rows, self.rows = self.rows, []
         steps = [str(row[0]) for row in rows]
         epochs = ["" if row[1] is None else str(row[1]) for row in rows]
         skipped = {row[3] for row in rows}
