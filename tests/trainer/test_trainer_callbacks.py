@@ -91,6 +91,33 @@ def test_model_checkpoint_every_n_train_steps_keeps_the_newest(tmp_path: Path) -
 
 
 @pytest.mark.timeout(20)
+def test_the_trainer_skips_the_per_batch_hook_of_a_checkpoint_that_saves_at_epoch_ends(tmp_path: Path) -> None:
+    # ModelCheckpoint overrides on_train_batch_end for every_n_train_steps; saving at epoch ends
+    # (the default) it says the hook is idle, and the Trainer does not call it. The setting is
+    # read at the start of each run.
+    class CountingCheckpoint(torchrig.ModelCheckpoint):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.batch_ends = 0
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.batch_ends += 1
+            super().on_train_batch_end(*args)
+
+    epochs = CountingCheckpoint()
+    trainer = quiet_trainer(tmp_path / "a", max_steps=4, enable_checkpointing=True, callbacks=[epochs])
+    trainer.fit(Regressor(), loader(16))
+    assert epochs.batch_ends == 0 and epochs.best_model_path.endswith("epoch=0-step=4")
+    steps = CountingCheckpoint(every_n_train_steps=2)
+    trainer = quiet_trainer(tmp_path / "b", max_steps=4, enable_checkpointing=True, callbacks=[steps])
+    trainer.fit(Regressor(), loader(16))
+    assert steps.batch_ends == 4 and steps.best_model_path.endswith("epoch=0-step=4")
+    steps.every_n_train_steps = None  # changed between runs: the next run skips the hook
+    quiet_trainer(tmp_path / "c", max_steps=4, enable_checkpointing=True, callbacks=[steps]).fit(Regressor(), loader(16))
+    assert steps.batch_ends == 4
+
+
+@pytest.mark.timeout(20)
 def test_model_checkpoint_argument_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"save_top_k=3\) ranks checkpoints by a metric; pass monitor="):
         torchrig.ModelCheckpoint(save_top_k=3)
