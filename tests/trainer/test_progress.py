@@ -113,6 +113,41 @@ def test_steps_between_refreshes_convert_nothing() -> None:
         assert calls["n"] == 1  # the final redraw: one transfer for loss and metrics together
 
 
+def test_the_position_comes_from_batch_idx_so_sparse_calls_and_resumes_show_it() -> None:
+    # The Trainer calls on_train_batch_end at most every refresh_interval (plain lines: only for
+    # the loop's last batch); a fit resumed mid-epoch starts with no epoch start.
+    assert (
+        ProgressBar(
+            refresh_interval=0.25, console=Console(file=io.StringIO(), force_terminal=True)
+        )._train_batch_end_interval
+        == 0.25
+    )
+    assert ProgressBar(console=Console(file=io.StringIO()))._train_batch_end_interval == float("inf")
+    out = io.StringIO()
+    bar = ProgressBar(console=Console(file=out, width=200))
+    trainer = fake_trainer(progress_bar_metrics={})
+    bar.on_fit_start(trainer, None)  # type: ignore[arg-type]
+    bar.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+    bar.on_train_batch_end(trainer, None, torch.tensor(0.5), None, 3)  # type: ignore[arg-type]
+    bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+    resumed = fake_trainer(progress_bar_metrics={}, fit_state=SimpleNamespace(batch_idx=2), current_epoch=1)
+    bar.on_fit_start(resumed, None)  # type: ignore[arg-type]
+    bar.on_train_batch_end(resumed, None, torch.tensor(0.25), None, 3)  # type: ignore[arg-type]
+    bar.on_train_epoch_end(resumed, None)  # type: ignore[arg-type]
+    lines = out.getvalue().splitlines()
+    assert re.fullmatch(r"Epoch 1/2: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.5", lines[0]), lines
+    assert re.fullmatch(r"Epoch 2/2: 2 steps in .*, loss=0\.25", lines[1]), lines  # batches 2 and 3 ran here
+
+    live = io.StringIO()  # in a terminal, the resumed epoch's bar shows at once, where it is
+    bar = ProgressBar(refresh_interval=0.0, console=Console(file=live, force_terminal=True, width=160))
+    bar.on_fit_start(resumed, None)  # type: ignore[arg-type]
+    text = ANSI.sub("", live.getvalue())
+    assert "Epoch 2/2" in text and "2/4" in text
+    bar.on_train_batch_end(resumed, None, torch.tensor(0.25), None, 3)  # type: ignore[arg-type]
+    bar.on_fit_end(resumed, None)  # type: ignore[arg-type]
+    assert "4/4" in ANSI.sub("", live.getvalue())
+
+
 def test_only_rank_zero_draws() -> None:
     out = io.StringIO()
     bar = ProgressBar(console=Console(file=out, width=200))
@@ -181,3 +216,8 @@ def test_with_the_trainer_plain_lines_and_the_default_csv_logger(tmp_path: Path)
     assert [(r["step"], r["epoch"]) for r in rows if "val_loss" in r] == [(4, 0), (8, 1)]
     shown = float(lines[2].rsplit("val_loss=", 1)[1])  # the bar shows what the logger wrote
     assert shown == pytest.approx([r["val_loss"] for r in rows if "val_loss" in r][1], rel=1e-3)
+    # The Trainer calls the bar's batch end sparsely, always for an epoch's last batch: the loss
+    # on each epoch's line is that batch's.
+    for line, step in ((lines[1], 4), (lines[3], 8)):
+        loss = float(re.search(r"loss=([\d.]+)", line).group(1))  # type: ignore[union-attr]
+        assert loss == pytest.approx(next(r["train_loss"] for r in rows if r["step"] == step), rel=1e-3)

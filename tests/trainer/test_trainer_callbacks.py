@@ -113,7 +113,8 @@ def test_the_trainer_skips_the_per_batch_hook_of_a_checkpoint_that_saves_at_epoc
     trainer.fit(Regressor(), loader(16))
     assert steps.batch_ends == 4 and steps.best_model_path.endswith("epoch=0-step=4")
     steps.every_n_train_steps = None  # changed between runs: the next run skips the hook
-    quiet_trainer(tmp_path / "c", max_steps=4, enable_checkpointing=True, callbacks=[steps]).fit(Regressor(), loader(16))
+    trainer = quiet_trainer(tmp_path / "c", max_steps=4, enable_checkpointing=True, callbacks=[steps])
+    trainer.fit(Regressor(), loader(16))
     assert steps.batch_ends == 4
 
 

@@ -132,6 +132,56 @@ def test_fit_calls_hooks_in_the_documented_order(tmp_path: Any) -> None:
     assert trainer.current_epoch == 2 and trainer.global_step == 4
 
 
+class Sparse(Callback):
+    """Asks for on_train_batch_end at most every ``interval`` seconds; records the batches it saw."""
+
+    def __init__(self, interval: float, stop_after: tuple[int, int] | None = None) -> None:
+        self.interval, self.stop_after = interval, stop_after
+        self.seen: list[tuple[int, int, float]] = []
+
+    @property
+    def _train_batch_end_interval(self) -> float:
+        return self.interval
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append((trainer.current_epoch, batch_idx, float(outputs.detach())))
+
+
+class StopAfter(Callback):
+    def __init__(self, epoch: int, batch: int) -> None:
+        self.at = (epoch, batch)
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if (trainer.current_epoch, batch_idx) == self.at:
+            trainer.should_stop = True
+
+
+@pytest.mark.timeout(20)
+def test_sparse_batch_end_sees_the_first_batch_then_the_last_of_each_epoch_and_the_stop(tmp_path: Any) -> None:
+    # A callback that only shows progress asks for on_train_batch_end at most every hour: the
+    # Trainer calls it for the run's first batch, for the last batch of every epoch, and for the
+    # batch after which the fit stops, with that batch's loss; every-batch callbacks are unchanged.
+    log: list[str] = []
+    sparse, every = Sparse(3600.0), Recorder(log)
+    trainer = quiet_trainer(tmp_path / "epochs", max_epochs=3, callbacks=[sparse, every])
+    trainer.fit(Regressor(), loader(16, batch_size=4))
+    assert [(e, b) for e, b, _ in sparse.seen] == [(0, 0), (0, 3), (1, 3), (2, 3)]
+    assert sum(entry.startswith("cb.on_train_batch_end") for entry in log) == 12
+    assert all(loss > 0 for _, _, loss in sparse.seen)
+
+    sparse = Sparse(3600.0)  # max_steps ends the fit after epoch 1's batch 1
+    quiet_trainer(tmp_path / "steps", max_steps=6, callbacks=[sparse]).fit(Regressor(), loader(16, batch_size=4))
+    assert [(e, b) for e, b, _ in sparse.seen] == [(0, 0), (0, 3), (1, 1)]
+    sparse = Sparse(3600.0)  # a callback stops it after epoch 1's batch 2
+    trainer = quiet_trainer(tmp_path / "stop", max_epochs=3, callbacks=[sparse, StopAfter(1, 2)])
+    trainer.fit(Regressor(), loader(16, batch_size=4))
+    assert [(e, b) for e, b, _ in sparse.seen] == [(0, 0), (0, 3), (1, 2)]
+
+    sparse = Sparse(0.0)  # no wait: every batch
+    quiet_trainer(tmp_path / "all", max_epochs=2, callbacks=[sparse]).fit(Regressor(), loader(16, batch_size=4))
+    assert [(e, b) for e, b, _ in sparse.seen] == [(e, b) for e in range(2) for b in range(4)]
+
+
 @pytest.mark.timeout(20)
 def test_validate_and_predict_call_their_hooks(tmp_path: Any) -> None:
     log: list[str] = []

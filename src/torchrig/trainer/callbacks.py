@@ -17,10 +17,21 @@
 
 Every method does nothing by default; override the ones you need. ``state_dict`` /
 ``load_state_dict`` let a callback's state travel in checkpoints.
+
+The Trainer calls only the methods a callback overrides, worked out at the start of each run
+(:func:`active_hooks`): a small model's step is short enough that each Python call per batch
+shows in its speed. Two class attributes, read at the start of each run, let a callback skip
+more of them: ``_idle_events``, the overridden events that have nothing to do as configured
+(``ModelCheckpoint`` saving at epoch ends has no per-batch work), and
+``_train_batch_end_interval``, for a callback that only shows progress (the progress bar):
+its ``on_train_batch_end`` is then called at most every that many seconds and for the last
+batch the loop runs (the epoch's last, or the one after which the fit stops), not after every
+batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,6 +47,17 @@ class Callback:
         ...     def on_train_epoch_end(self, trainer, module):
         ...         print("epoch", trainer.current_epoch, "done")
     """
+
+    @property
+    def _idle_events(self) -> tuple[str, ...]:
+        """Events this callback overrides that have nothing to do as configured (not called)."""
+        return ()
+
+    @property
+    def _train_batch_end_interval(self) -> float | None:
+        """Seconds: ``on_train_batch_end`` at most this often (and for the loop's last batch);
+        None: after every batch."""
+        return None
 
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None: ...
 
@@ -75,3 +97,26 @@ class Callback:
     def state_key(self) -> str:
         """The key of this callback's state in a checkpoint (class name, unique per type)."""
         return type(self).__qualname__
+
+
+def active_hooks(callbacks: Sequence[Callback], event: str) -> list[Callable[..., Any]]:
+    """The ``event`` methods of ``callbacks`` to call at every such event, bound, in order: the
+    overridden ones, less the idle ones (``_idle_events``) and, for ``on_train_batch_end``,
+    those of callbacks called sparsely (see :func:`sparse_batch_end_hooks`)."""
+    base = getattr(Callback, event)
+    return [
+        getattr(cb, event)
+        for cb in callbacks
+        if (event in getattr(cb, "__dict__", ()) or getattr(type(cb), event, base) is not base)
+        and event not in getattr(cb, "_idle_events", ())
+        and not (event == "on_train_batch_end" and getattr(cb, "_train_batch_end_interval", None) is not None)
+    ]
+
+
+def sparse_batch_end_hooks(callbacks: Sequence[Callback]) -> tuple[list[Callable[..., Any]], float]:
+    """The ``on_train_batch_end`` methods of the callbacks that ask to be called at most every
+    ``_train_batch_end_interval`` seconds, and the shortest of those intervals (they are called
+    together)."""
+    sparse = [cb for cb in callbacks if getattr(cb, "_train_batch_end_interval", None) is not None]
+    hooks = [cb.on_train_batch_end for cb in sparse if "on_train_batch_end" not in cb._idle_events]
+    return hooks, min((float(cb._train_batch_end_interval) for cb in sparse), default=0.0)  # type: ignore[arg-type]

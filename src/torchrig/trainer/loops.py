@@ -76,6 +76,7 @@ def run_fit(trainer: Trainer) -> None:
         run_evaluation(tr, "sanity_check", limit_override=limit)
     tr._call_module("on_train_start")
     tr._started_at = time.monotonic()
+    tr._sparse_due = 0.0  # the sparse batch-end hooks see the first batch
     if state.epoch_finished:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
     while not _fit_done(tr):
@@ -122,6 +123,10 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
     val_at_last = isinstance(tr.val_check_interval, float)
     # Worked out once per epoch, not per batch: the hot loop only calls what does something.
     batch_end, module = tr._hooks("on_train_batch_end"), tr._require_module()
+    # Callbacks that only show progress get the batch end at most every `interval` seconds (a
+    # clock read per batch, not a Python call) and always for the last batch the loop runs.
+    sparse, interval = tr._sparse_batch_end()
+    clock, due, sparse_at = time.perf_counter, tr._sparse_due, -1  # sparse_at: the batch they last saw
     timed = tr.max_time is not None
     one_batch = _batch_runner(tr)
     tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
@@ -136,15 +141,24 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
             state.val_pending = state.batch_idx % val_every == 0 or (is_last and val_at_last)
         for hook in batch_end:
             hook(tr, module, output, batch, batch_idx)
+        # Inside an epoch only max_steps (of _fit_done's limits) and a stop can end the fit.
+        final = is_last or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
+        if sparse and (final or clock() >= due):
+            for hook in sparse:
+                hook(tr, module, output, batch, batch_idx)
+            due, sparse_at = clock() + interval, batch_idx
         if state.val_pending:
             _validate_in_fit(tr)
             tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
         if timed and tr._time_is_up():
             tr.should_stop = True
-        # Inside an epoch only max_steps (of _fit_done's limits) can end the fit.
-        if is_last or tr.should_stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps):
+        if final or tr.should_stop:
+            if sparse and sparse_at != batch_idx:  # stopped after this batch: they see it too
+                for hook in sparse:
+                    hook(tr, module, output, batch, batch_idx)
             break
         batch_idx += 1
+    tr._sparse_due = due
 
 
 def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:

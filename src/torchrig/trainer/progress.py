@@ -11,6 +11,7 @@ tensors) converted to numbers, with one host-device sync per device.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -79,14 +80,25 @@ class ProgressBar(Callback):
         """Whether a live bar is drawn (a terminal or Jupyter) rather than plain lines."""
         return bool(self.console.is_terminal or self.console.is_jupyter)
 
+    @property
+    def _train_batch_end_interval(self) -> float:
+        """The Trainer calls :meth:`on_train_batch_end` at most this often (and for the last batch
+        its loop runs): the bar reads where the epoch is from ``batch_idx``, so it need not see
+        every batch, and a call per batch would cost a small model's step about 1%. Printing plain
+        lines it needs only the last batch."""
+        return self.refresh_interval if self.is_live else math.inf
+
     # -- training --------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        # Where the epoch is: a fit resumed mid-epoch starts there, with no epoch start.
+        at = _batches_done(trainer)
+        self._train.start(_total(getattr(trainer, "num_training_batches", None)), at=at)
         if _rank_zero(trainer) and self.is_live:
             self._start(owned=True)
+            if at:
+                self._show_train(trainer)
 
-    def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
-        self._loss = None
-        self._train.start(_total(getattr(trainer, "num_training_batches", None)))
+    def _show_train(self, trainer: Trainer) -> None:
         if self._progress is not None:
             desc = f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}"
             fields = self._train.fields(self._metrics_text)
@@ -94,18 +106,21 @@ class ProgressBar(Callback):
             if self._due():
                 self._progress.refresh()
 
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        self._loss = None
+        self._train.start(_total(getattr(trainer, "num_training_batches", None)))
+        self._show_train(trainer)
+
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # The hot path: a counter, a reference and a clock read. No conversion, no sync, and
-        # no call but the clock's (_due, inline: a Python call costs ~1 µs inside a step).
-        self._train.count += 1
+        # Called by the Trainer at most every refresh_interval seconds (see
+        # _train_batch_end_interval); called after every batch it shows the same. No conversion,
+        # no sync unless it redraws.
+        self._train.count = batch_idx + 1
         self._loss = outputs
-        if self._progress is not None:
-            now = time.perf_counter()
-            if now - self._last_draw >= self.refresh_interval:
-                self._last_draw = now
-                self._draw_train(trainer)
+        if self._progress is not None and self._due():
+            self._draw_train(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if not _rank_zero(trainer):
@@ -116,7 +131,7 @@ class ProgressBar(Callback):
             return
         line = (
             f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}: "
-            f"{self._train.count} steps in {self._train.elapsed():.2f}s ({self._train.rate():.1f} it/s)"
+            f"{self._train.done()} steps in {self._train.elapsed():.2f}s ({self._train.rate():.1f} it/s)"
         )
         self.console.print(_join(line, self._train_metrics(trainer)), highlight=False, soft_wrap=True)
 
@@ -226,24 +241,30 @@ class _Counter:
     restarted epoch does not confuse rich's speed estimate)."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.count = 0  # where the loop is: batches done in it
+        self.base = 0  # where it was at start()
         self.total: float | None = None
         self.started = time.perf_counter()
 
-    def start(self, total: float | None) -> None:
-        self.count, self.total, self.started = 0, total, time.perf_counter()
+    def start(self, total: float | None, at: int = 0) -> None:
+        self.count = self.base = at
+        self.total, self.started = total, time.perf_counter()
+
+    def done(self) -> int:
+        """Batches done since :meth:`start`."""
+        return self.count - self.base
 
     def elapsed(self) -> float:
         return max(time.perf_counter() - self.started, 1e-9)
 
     def rate(self) -> float:
-        return self.count / self.elapsed()
+        return self.done() / self.elapsed()
 
     def fields(self, metrics: str = "") -> dict[str, Any]:
         """The bar's task fields: ``completed``, ``total`` and ``info``, the text after the bar
         (``done/total``, time left, it/s, then ``metrics``)."""
         parts = [f"{self.count}/{self.total:.0f}" if self.total is not None else str(self.count)]
-        if self.count:
+        if self.done():
             rate = self.rate()
             if self.total is not None:
                 left = max(self.total - self.count, 0) / rate
@@ -271,6 +292,11 @@ def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
         floats = torch.stack([t.to(dtype) for _, t in items]).tolist()
         out.update(zip((n for n, _ in items), floats, strict=True))
     return {k: out[k] for k in metrics if k in out}  # keep the caller's order
+
+
+def _batches_done(trainer: Trainer) -> int:
+    """Batches of the current epoch already trained (non-zero when a fit resumes mid-epoch)."""
+    return int(getattr(getattr(trainer, "fit_state", None), "batch_idx", 0))
 
 
 def _rank_zero(trainer: Trainer) -> bool:

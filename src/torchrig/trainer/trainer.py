@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from torchrig.collections import apply_to_tensors
 from torchrig.rig import Rig
 from torchrig.trainer import loops
-from torchrig.trainer.callbacks import Callback
+from torchrig.trainer.callbacks import Callback, active_hooks, sparse_batch_end_hooks
 from torchrig.trainer.checkpointing import ModelCheckpoint
 from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.logger_base import Logger
@@ -151,6 +151,8 @@ class Trainer:
         self._epoch_metrics: dict[str, torch.Tensor] = {}
         self._logged: dict[str, Any] = {}
         self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
+        self._sparse_cache: tuple[list[Callable[..., Any]], float] | None = None
+        self._sparse_due = 0.0  # when the sparse batch-end hooks are next called (perf_counter)
         self._stage: str | None = None
         self._resumed = False
         self._started_at = time.monotonic()
@@ -320,29 +322,27 @@ class Trainer:
             hook(self, module, *args)
 
     def _hooks(self, event: str) -> list[Callable[..., Any]]:
-        """The callbacks' ``event`` methods that do something (overridden), bound, in order.
+        """The callbacks' ``event`` methods to call, bound, in order (:func:`active_hooks`).
 
         Worked out once per event and run (see :meth:`_refresh_hooks`), so an event nobody
-        overrides costs no call at all, which matters for the per-batch ones. A callback may also
-        name, in ``_idle_events``, the events it overrides that have nothing to do in its
-        configuration (read at the start of each run), as the default ``ModelCheckpoint`` does
-        for ``on_train_batch_end``.
+        overrides costs no call at all, which matters for the per-batch ones.
         """
         found = self._hook_cache.get(event)
         if found is None:
-            base = getattr(Callback, event)
-            found = [
-                getattr(cb, event)
-                for cb in self.callbacks
-                if (event in getattr(cb, "__dict__", ()) or getattr(type(cb), event, base) is not base)
-                and event not in getattr(cb, "_idle_events", ())  # overridden, but idle as configured
-            ]
-            self._hook_cache[event] = found
+            found = self._hook_cache[event] = active_hooks(self.callbacks, event)
         return found
+
+    def _sparse_batch_end(self) -> tuple[list[Callable[..., Any]], float]:
+        """The ``on_train_batch_end`` methods called at most every ``interval`` seconds, and the
+        interval (:func:`sparse_batch_end_hooks`); worked out once per run."""
+        if self._sparse_cache is None:
+            self._sparse_cache = sparse_batch_end_hooks(self.callbacks)
+        return self._sparse_cache
 
     def _refresh_hooks(self) -> None:
         """Forget the hook lists (``callbacks`` may have changed since the last run)."""
         self._hook_cache.clear()
+        self._sparse_cache = None
 
     def _log_to_loggers(self, metrics: dict[str, Any]) -> None:
         self._logged = metrics
