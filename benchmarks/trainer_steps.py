@@ -20,8 +20,7 @@ first epoch of each fit is not counted (warm-up), nor is its set-up or teardown.
 
 What this does not see, and ``overhead.py`` does: a cost that slows everything in the process
 (both sides here), and the difference between running alone and sharing the core's caches with
-the other side at every step. The two agree for the lean Trainer (1.05x both); with the
-defaults this one reads about 2% lower (see ``docs/trainer_tools.md``), so read both.
+the other side at every step. The two agree (see ``docs/trainer_tools.md``); read both.
 
     python benchmarks/trainer_steps.py --rounds 9 --markdown     # about 2 minutes
 """
