@@ -117,6 +117,11 @@ def sparse_batch_end_hooks(callbacks: Sequence[Callback]) -> tuple[list[Callable
     """The ``on_train_batch_end`` methods of the callbacks that ask to be called at most every
     ``_train_batch_end_interval`` seconds, and the shortest of those intervals (they are called
     together)."""
-    sparse = [cb for cb in callbacks if getattr(cb, "_train_batch_end_interval", None) is not None]
-    hooks = [cb.on_train_batch_end for cb in sparse if "on_train_batch_end" not in cb._idle_events]
-    return hooks, min((float(cb._train_batch_end_interval) for cb in sparse), default=0.0)  # type: ignore[arg-type]
+    hooks, intervals = [], []
+    for cb in callbacks:
+        interval = getattr(cb, "_train_batch_end_interval", None)
+        if interval is not None:
+            intervals.append(float(interval))
+            if "on_train_batch_end" not in cb._idle_events:
+                hooks.append(cb.on_train_batch_end)
+    return hooks, min(intervals, default=0.0)

@@ -4,9 +4,10 @@ In a terminal (or Jupyter) it draws one bar for training and one for the evaluat
 with it/s, ETA, the loss and the metrics logged with ``prog_bar=True``. Elsewhere (a log file,
 CI) it prints one line per training epoch and per evaluation with the metrics.
 
-The bar costs nothing measurable: a step only bumps a counter and reads the clock; the screen
-is redrawn at most every ``refresh_interval`` seconds, and only then are the metrics (device
-tensors) converted to numbers, with one host-device sync per device.
+The bar costs nothing measurable: the Trainer calls its training batch end at most every
+``refresh_interval`` seconds and for the last batch of an epoch (a clock read per step, no call;
+see :mod:`torchrig.trainer.callbacks`); the screen is redrawn at most that often, and only then
+are the metrics (device tensors) converted to numbers, with one host-device sync per device.
 """
 
 from __future__ import annotations
