@@ -91,9 +91,10 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     module = Regressor()
     before = [p.detach().clone() for p in module.parameters()]
+    ckpt = torchrig.ModelCheckpoint(monitor="val_loss")
     trainer = torchrig.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, enable_progress_bar=False,
-        logger=False, enable_checkpointing=False, default_root_dir=sys.argv[1],
+        logger=False, callbacks=[ckpt], default_root_dir=sys.argv[1],
     )
     trainer.fit(module, loader(16, batch_size=2), loader(8, batch_size=2))
     preds = trainer.predict(module, loader(5, batch_size=2))
@@ -101,6 +102,9 @@ if __name__ == "__main__":
         "steps": trainer.global_step,
         "changed": not all(torch.equal(a, b) for a, b in zip(before, module.parameters())),
         "rows": [p.shape[0] for p in preds],
+        "best": ckpt.best_model_path.rsplit("/", 1)[-1],
+        "score": ckpt.best_model_score,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
     }))
 """
 
@@ -121,4 +125,6 @@ def test_ddp_spawn_brings_weights_and_results_back(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    # The callbacks ran in the started processes; their state comes back with the weights.
+    assert result.pop("best") == "epoch=0-step=4" and result.pop("score") == result.pop("val_loss")
     assert result == {"steps": 4, "changed": True, "rows": [4, 1]}  # 5 samples: 3 + 2 per rank, padding dropped

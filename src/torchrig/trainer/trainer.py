@@ -305,6 +305,10 @@ class Trainer:
             if module is not None and out.weights is not None:
                 module.load_state_dict(out.weights)
             self.fit_state.load_state_dict(out.fit_state)
+            # The callbacks that ran were copies (best_model_path, early stopping's count...).
+            for cb, state in zip(self.callbacks, out.callbacks, strict=True):
+                cb.load_state_dict(state)
+            self._epoch_metrics = dict(out.epoch_metrics)  # callback_metrics: the epoch means
             return out.result
         return out
 
@@ -380,11 +384,14 @@ class Trainer:
 
 @dataclass
 class _Returned:
-    """What rank 0 of started processes sends back: the result, the weights and where the fit is."""
+    """What rank 0 of started processes sends back: the result, the weights, where the fit is,
+    each callback's state (in the Trainer's order) and the epoch metrics."""
 
     result: Any
     weights: dict[str, torch.Tensor] | None
     fit_state: dict[str, Any]
+    callbacks: list[dict[str, Any]]
+    epoch_metrics: dict[str, torch.Tensor]
 
 
 def _worker(rig: Rig, trainer: Trainer, body: Callable[..., Any], spawned: bool, *args: Any) -> Any:
@@ -395,8 +402,17 @@ def _worker(rig: Rig, trainer: Trainer, body: Callable[..., Any], spawned: bool,
     # pickles the return value into a file), not as views of memory that is about to go away.
     module = trainer.module
     weights = {k: v.detach().cpu() for k, v in module.state_dict().items()} if module is not None else None
-    cpu_result = apply_to_tensors(result, lambda t: t.detach().cpu())
-    return _Returned(result=cpu_result, weights=weights, fit_state=trainer.fit_state.state_dict())
+
+    def cpu(value: Any) -> Any:
+        return apply_to_tensors(value, lambda t: t.detach().cpu())
+
+    return _Returned(
+        result=cpu(result),
+        weights=weights,
+        fit_state=trainer.fit_state.state_dict(),
+        callbacks=[cpu(cb.state_dict()) for cb in trainer.callbacks],
+        epoch_metrics=cpu(dict(trainer._epoch_metrics)),
+    )
 
 
 # -- argument checks ---------------------------------------------------------------------------
