@@ -103,13 +103,10 @@ def active_hooks(callbacks: Sequence[Callback], event: str) -> list[Callable[...
     """The ``event`` methods of ``callbacks`` to call at every such event, bound, in order: the
     overridden ones, less the idle ones (``_idle_events``) and, for ``on_train_batch_end``,
     those of callbacks called sparsely (see :func:`sparse_batch_end_hooks`)."""
-    base = getattr(Callback, event)
     return [
         getattr(cb, event)
         for cb in callbacks
-        if (event in getattr(cb, "__dict__", ()) or getattr(type(cb), event, base) is not base)
-        and event not in getattr(cb, "_idle_events", ())
-        and not (event == "on_train_batch_end" and getattr(cb, "_train_batch_end_interval", None) is not None)
+        if _acts_on(cb, event) and not (event == "on_train_batch_end" and cb._train_batch_end_interval is not None)
     ]
 
 
@@ -119,9 +116,16 @@ def sparse_batch_end_hooks(callbacks: Sequence[Callback]) -> tuple[list[Callable
     together)."""
     hooks, intervals = [], []
     for cb in callbacks:
-        interval = getattr(cb, "_train_batch_end_interval", None)
+        interval = cb._train_batch_end_interval
         if interval is not None:
             intervals.append(float(interval))
-            if "on_train_batch_end" not in cb._idle_events:
+            if _acts_on(cb, "on_train_batch_end"):
                 hooks.append(cb.on_train_batch_end)
     return hooks, min(intervals, default=0.0)
+
+
+def _acts_on(cb: Callback, event: str) -> bool:
+    """Whether ``cb`` overrides ``event`` (on its class or the instance) and does not call it idle."""
+    base = getattr(Callback, event)
+    overridden = event in getattr(cb, "__dict__", ()) or getattr(type(cb), event, base) is not base
+    return overridden and event not in cb._idle_events

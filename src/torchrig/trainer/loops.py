@@ -126,7 +126,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
     # Callbacks that only show progress get the batch end at most every `interval` seconds (a
     # clock read per batch, not a Python call) and always for the last batch the loop runs.
     sparse, interval = tr._sparse_batch_end()
-    clock, due, sparse_at = time.perf_counter, tr._sparse_due, -1  # sparse_at: the batch they last saw
+    clock, due = time.perf_counter, tr._sparse_due
     timed = tr.max_time is not None
     one_batch = _batch_runner(tr)
     tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
@@ -141,21 +141,18 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
             state.val_pending = state.batch_idx % val_every == 0 or (is_last and val_at_last)
         for hook in batch_end:
             hook(tr, module, output, batch, batch_idx)
-        # Inside an epoch only max_steps (of _fit_done's limits) and a stop can end the fit.
-        final = is_last or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
-        if sparse and (final or clock() >= due):
-            for hook in sparse:
-                hook(tr, module, output, batch, batch_idx)
-            due, sparse_at = clock() + interval, batch_idx
         if state.val_pending:
             _validate_in_fit(tr)
             tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
         if timed and tr._time_is_up():
             tr.should_stop = True
-        if final or tr.should_stop:
-            if sparse and sparse_at != batch_idx:  # stopped after this batch: they see it too
-                for hook in sparse:
-                    hook(tr, module, output, batch, batch_idx)
+        # Inside an epoch only max_steps (of _fit_done's limits) and a stop can end the fit.
+        final = is_last or tr.should_stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
+        if sparse and (final or clock() >= due):  # after this batch's validation, if any
+            for hook in sparse:
+                hook(tr, module, output, batch, batch_idx)
+            due = clock() + interval
+        if final:
             break
         batch_idx += 1
     tr._sparse_due = due

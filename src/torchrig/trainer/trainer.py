@@ -401,14 +401,13 @@ def _worker(rig: Rig, trainer: Trainer, body: Callable[..., Any], spawned: bool,
     # The started processes end with this call: tensors go back as CPU copies (the launcher
     # pickles the return value into a file), not as views of memory that is about to go away.
     module = trainer.module
-    weights = {k: v.detach().cpu() for k, v in module.state_dict().items()} if module is not None else None
 
     def cpu(value: Any) -> Any:
         return apply_to_tensors(value, lambda t: t.detach().cpu())
 
     return _Returned(
         result=cpu(result),
-        weights=weights,
+        weights=cpu(module.state_dict()) if module is not None else None,
         fit_state=trainer.fit_state.state_dict(),
         callbacks=[cpu(cb.state_dict()) for cb in trainer.callbacks],
         epoch_metrics=cpu(dict(trainer._epoch_metrics)),
