@@ -7,13 +7,16 @@ at the final path is either complete (every file fsynced and listed with its SHA
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import mmap
 import os
 import pickle
+import re
 import shutil
+import stat
 import uuid
 import warnings
 from collections.abc import Callable
@@ -192,11 +195,11 @@ def update_link(target: Path, name: str) -> None:
 
 
 def _read_meta_quiet(folder: Path) -> dict[str, Any] | None:
+    """:func:`read_meta`, or ``None`` where there is no valid one (a FIFO or a link is not read)."""
     try:
-        meta = json.loads((folder / META).read_text())
-    except (OSError, ValueError):
+        return read_meta(folder)
+    except (OSError, CheckpointError):
         return None
-    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
 
 
 def apply_retention(target: Path, keep_last: int) -> list[Path]:
@@ -240,11 +243,76 @@ def _alive(pid: int) -> bool:
 
 
 # -- reading ------------------------------------------------------------------------------
+# A checkpoint folder may come from a stranger: only regular files inside it are read, opened
+# without following a link and without blocking (a FIFO would wait forever), never past their size.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+
+
+def _not_regular(path: Path, mode: int) -> CheckpointError:
+    kind = (
+        "a symbolic link"
+        if stat.S_ISLNK(mode)
+        else "a named pipe (FIFO)"
+        if stat.S_ISFIFO(mode)
+        else "a directory"
+        if stat.S_ISDIR(mode)
+        else "a device or socket"
+    )
+    return CheckpointError(
+        f"{path} is {kind}, not a regular file: a checkpoint holds only regular files inside its folder; "
+        "refusing to read it"
+    )
+
+
+def _wrong_size(path: Path, size: int, listed: int) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is {size} bytes but {META} says {listed}: the file was truncated or altered "
+        "(checksum mismatch); refusing to load it"
+    )
+
+
+def open_regular(path: Path, size: int | None = None) -> io.FileIO:
+    """``path`` opened for reading if it is a regular file (not a link, FIFO or device) of ``size`` bytes."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a symlink
+            raise _not_regular(path, stat.S_IFLNK) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        if size is not None and st.st_size != size:
+            raise _wrong_size(path, st.st_size, size)
+        return io.FileIO(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: Path, size: int | None = None, *, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path``: exactly ``size`` of them (default: its size when
+    opened, at most ``limit``), never more, whatever happens to the file meanwhile."""
+    with open_regular(path, size) as f:
+        n = os.fstat(f.fileno()).st_size
+        if limit is not None and n > limit:
+            raise CheckpointError(f"{path} is {n} bytes, more than the {limit} a torchrig {path.name} can be")
+        parts, done = [], 0
+        while done < n:
+            got = f.read(n - done)
+            if not got:
+                raise CheckpointError(f"{path} ended after {done} of its {n} bytes while it was read")
+            parts.append(got)
+            done += len(got)
+        return b"".join(parts)  # one part (the usual case) is returned as it is, not copied
+
+
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint directory at ``path`` (following a ``last`` link); errors say what is there."""
     p = Path(path)
     if p.is_dir():
-        if not (p / META).is_file():
+        if not os.path.lexists(p / META):  # a meta.json that is not a regular file is refused by read_meta
             raise CheckpointError(
                 f"{p} is not a torchrig checkpoint: it has no {META} (a save that was interrupted never "
                 "leaves a directory at the final path, so this directory was made by something else)"
@@ -265,18 +333,117 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
-    """Parse ``meta.json`` (plain JSON: nothing in it can run code)."""
+    """Parse ``meta.json`` (plain JSON: nothing in it can run code) and check it against its schema."""
+    path = folder / META
+    raw = read_regular(path, limit=META_LIMIT)
     try:
-        meta = json.loads((folder / META).read_text())
-    except ValueError as err:
-        raise CheckpointError(f"{folder / META} is not valid JSON ({err}); the checkpoint is damaged") from err
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        why = "it nests too deeply" if isinstance(err, RecursionError) else str(err)
+        raise CheckpointError(f"{path} is not valid JSON ({why}); the checkpoint is damaged") from None
+    return validate_meta(meta, path)
+
+
+META_LIMIT = 64 << 20  # a meta.json lists files and entries: far below this
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_KINDS = ("module", "state", "value", "optimizer")
+_HIDDEN_FILES = (".metadata",)  # DCP's metadata file: the one hidden name a checkpoint lists
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, list):
+        return "a JSON array"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def plain_key(key: Any) -> bool:
+    """A state key: it names files of the checkpoint, so letters, digits, ``_``, ``-``, ``.``, not hidden."""
+    return isinstance(key, str) and bool(key) and all(c.isalnum() or c in "_-." for c in key) and key[0] != "."
+
+
+def confined_name(name: Any) -> bool:
+    """A plain file name inside the checkpoint folder: no separator, no ``..``, not absolute, not hidden."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and not any(c in name for c in "/\\\0:")
+        and name not in (".", "..", META)
+        and (not name.startswith(".") or name in _HIDDEN_FILES)
+    )
+
+
+def validate_meta(meta: Any, source: Path) -> dict[str, Any]:
+    """``meta`` (parsed ``meta.json``) if it has the shape torchrig writes; else a :class:`CheckpointError`
+    naming the field (``.../meta.json: files['x'].size must be a non-negative integer, got 'x'``).
+
+    Every reader of a checkpoint goes through this one check, so later code can index the
+    fields without guarding each one.
+    """
+
+    def need(ok: bool, field: str, want: str, got: Any) -> None:
+        if not ok:
+            raise CheckpointError(f"{source}: {field} must be {want}, got {_shown(got)}; the checkpoint is damaged")
+
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{folder / META} is not a torchrig checkpoint description (format != {FORMAT!r})")
-    if int(meta.get("version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(f"{source} is not a torchrig checkpoint description (format != {FORMAT!r})")
+    version = meta.get("version", 0)
+    need(_is_int(version), "version", "a non-negative integer", version)
+    if version > FORMAT_VERSION:
         raise CheckpointError(
-            f"{folder} was written by a newer torchrig (checkpoint format {meta['version']}, this one reads "
+            f"{source.parent} was written by a newer torchrig (checkpoint format {version}, this one reads "
             f"up to {FORMAT_VERSION}); upgrade torchrig to load it"
         )
+    for field, fits, want in (
+        ("sharded", lambda v: isinstance(v, bool), "true or false"),
+        ("world_size", lambda v: _is_int(v, 1), "a positive integer"),
+        ("tensors", _is_int, "a non-negative integer"),
+        ("parameters", _is_int, "a non-negative integer"),
+        ("saved_at_ns", _is_int, "a non-negative integer"),
+        ("values", lambda v: isinstance(v, dict), "a JSON object"),
+        ("step", lambda v: v is None or isinstance(v, (int, float, str)), "a number, a string or null"),
+        ("epoch", lambda v: v is None or isinstance(v, (int, float, str)), "a number, a string or null"),
+        *(
+            (name, lambda v: v is None or isinstance(v, str), "a string or null")
+            for name in ("created", "torch", "torchrig", "device_type", "precision")
+        ),
+    ):
+        if field in meta:
+            need(fits(meta[field]), field, want, meta[field])
+    files: Any = meta.get("files")
+    need(isinstance(files, dict), "files", "a JSON object of file names", files)
+    for name, entry in files.items():
+        if not confined_name(name):
+            raise CheckpointError(
+                f"{source}: files lists {name!r}, which is not a plain file name inside the checkpoint folder "
+                "(no '/', '..', absolute or hidden names); refusing to read it"
+            )
+        need(isinstance(entry, dict), f"files[{name!r}]", "a JSON object with size and sha256", entry)
+        need(_is_int(entry.get("size")), f"files[{name!r}].size", "a non-negative integer", entry.get("size"))
+        sha = entry.get("sha256")
+        need(isinstance(sha, str) and bool(_SHA256.fullmatch(sha)), f"files[{name!r}].sha256", "64 hex digits", sha)
+    entries: Any = meta.get("entries")
+    need(isinstance(entries, dict), "entries", "a JSON object of state keys", entries)
+    for key, entry in entries.items():
+        where = f"entries[{key!r}]"
+        if not plain_key(key):
+            raise CheckpointError(f"{source}: {where} is not a plain state key; the checkpoint is damaged")
+        need(isinstance(entry, dict), where, "a JSON object with kind and type", entry)
+        need(entry.get("kind") in _KINDS, f"{where}.kind", f"one of {', '.join(_KINDS)}", entry.get("kind"))
+        need(isinstance(entry.get("type"), str), f"{where}.type", "a string", entry.get("type"))
+        need(isinstance(entry.get("dcp", False), bool), f"{where}.dcp", "true or false", entry.get("dcp"))
+        if entry["kind"] != "module" or entry.get("dcp"):
+            continue
+        field = f"{where}.files" if "files" in entry else f"{where}.file"
+        listed = entry["files"] if "files" in entry else [entry.get("file")]
+        named = isinstance(listed, list) and len(listed) > 0 and all(isinstance(n, str) and n in files for n in listed)
+        need(named, field, "names of files listed under files", listed if "files" in entry else entry.get("file"))
     return meta
 
 
@@ -300,21 +467,20 @@ class VerifiedReader:
 
         With ``hashing`` (and ``verify``), its SHA-256 starts on the pool, for :meth:`check`.
         """
-        entry = self.meta.get("files", {}).get(name)
+        entry = self.meta["files"].get(name)  # read_meta checked every listed name is a plain file name
         path = self.folder / name
         if entry is None:
             raise CheckpointError(f"{path} is not listed in {self.folder / META}; the checkpoint is damaged")
         try:
-            size = path.stat().st_size
+            st = os.lstat(path)
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing; {META} lists it ({entry['size']} bytes)") from None
-        if size != entry["size"]:
-            raise CheckpointError(
-                f"{path} is {size} bytes but {META} says {entry['size']}: the file was truncated or altered "
-                "(checksum mismatch); refusing to load it"
-            )
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        if st.st_size != entry["size"]:
+            raise _wrong_size(path, st.st_size, entry["size"])
         if hashing and self.verify and name not in self._hashes:
-            self._hashes[name] = self._pool.submit(sha256_file, path)
+            self._hashes[name] = self._pool.submit(sha256_file, path, entry["size"])
         return path
 
     def check(self, name: str | None = None) -> None:
@@ -342,15 +508,16 @@ class VerifiedReader:
         return self._pool.submit(self._run, name, path, fn)
 
     def _run(self, name: str, path: Path, fn: Callable[[Path, bool], tuple[Any, str | None]]) -> Any:
+        size = self.meta["files"][name]["size"]
         try:
             result, digest = fn(path, self.verify)
         except CheckpointError:
             if self.verify:
-                self.compare(name, sha256_file(path))
+                self.compare(name, sha256_file(path, size))
             raise
         except Exception as err:
             if self.verify:  # a damaged file is the likely cause: say so first
-                self.compare(name, sha256_file(path))
+                self.compare(name, sha256_file(path, size))
             raise CheckpointError(f"could not read {path}: {type(err).__name__}: {err}") from err
         if digest is not None:
             self.compare(name, digest)
@@ -368,22 +535,24 @@ class VerifiedReader:
             self.check(name)
             raise CheckpointError(f"could not read {path}: {type(err).__name__}: {err}") from err
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the pool; ``wait=False`` (on an error or Ctrl-C) returns at once, reads still running finish alone."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
     def __enter__(self) -> VerifiedReader:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(wait=exc_type is None)
 
 
-def sha256_file(path: Path) -> str:
-    """SHA-256 of a file, hashed straight from the page cache through mmap (no read copy)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
+def sha256_file(path: Path, size: int | None = None) -> str:
+    """SHA-256 of a regular file (of ``size`` bytes), hashed straight from the page cache through mmap."""
+    with open_regular(path, size) as f:
+        n = os.fstat(f.fileno()).st_size
+        if n == 0:
             return hashlib.sha256().hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        with mmap.mmap(f.fileno(), n, access=mmap.ACCESS_READ) as view:
             return hashlib.sha256(view).hexdigest()
 
 
@@ -391,14 +560,35 @@ def verify_files(folder: Path, meta: dict[str, Any]) -> list[tuple[str, int, boo
     """``(name, size, ok)`` for every file ``meta.json`` lists (for ``inspect``)."""
     out = []
     with VerifiedReader(folder, meta) as reader:
-        for name in sorted(meta.get("files", {})):
+        for name in sorted(meta["files"]):
             try:
                 reader.path(name)
                 reader.check(name)
-                out.append((name, int(meta["files"][name]["size"]), True))
-            except CheckpointError:
-                out.append((name, int(meta["files"][name]["size"]), False))
+                out.append((name, meta["files"][name]["size"], True))
+            except (CheckpointError, OSError):
+                out.append((name, meta["files"][name]["size"], False))
     return out
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _unpickling_refusal(path: Path, data: bytes, err: Exception) -> CheckpointError:
+    """The weights_only refusal said plainly: the file, the objects it names, no torch advice or colour codes."""
+    try:
+        names = unsafe_globals(io.BytesIO(data))
+    except Exception:  # not a readable torch.save archive: torch's own reason is all there is
+        names = []
+    if names:
+        what = f"Python objects other than tensors and plain containers ({', '.join(names)})"
+    else:
+        text = " ".join(_ANSI.sub("", str(err)).split())
+        reason = text.split("WeightsUnpickler error: ", 1)[-1].split(" Please use ", 1)[0]
+        what = f"data that weights_only loading refuses ({reason.rstrip('.')})"
+    return CheckpointError(
+        f"refusing to load {path}: it holds {what}, which could run code when unpickled; torchrig only "
+        "loads tensors, numbers, strings, lists, tuples and dicts, and nothing in the file was run"
+    )
 
 
 def safe_torch_load(path: Path, *, map_location: Any = None, data: bytes | None = None) -> Any:
@@ -406,17 +596,14 @@ def safe_torch_load(path: Path, *, map_location: Any = None, data: bytes | None 
     containers only, never code.
 
     A file that holds any other Python object (a pickle payload) is refused before anything in
-    it runs.
+    it runs, with a :class:`CheckpointError` naming the objects.
     """
+    if data is None:
+        data = read_regular(path)
     try:
-        source = path if data is None else io.BytesIO(data)
-        return torch.load(source, map_location=map_location, weights_only=True)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"refusing to load {path}: it holds Python objects other than tensors and plain containers, "
-            f"which could run code when unpickled. torchrig only loads weights_only data. Details: "
-            f"{str(err).splitlines()[0]}"
-        ) from None
+        raise _unpickling_refusal(path, data, err) from None
 
 
 def read_torch_once(path: Path, hashing: bool, *, map_location: Any = None) -> tuple[Any, str | None]:
@@ -424,7 +611,7 @@ def read_torch_once(path: Path, hashing: bool, *, map_location: Any = None) -> t
 
     The hash runs on a second thread (hashlib releases the GIL) beside the unpickling.
     """
-    data = path.read_bytes()
+    data = read_regular(path)
     if not hashing:
         return safe_torch_load(path, map_location=map_location, data=data), None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash") as pool:

@@ -17,7 +17,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from torchrig.checkpoint.files import CheckpointError
+from torchrig.checkpoint.files import CheckpointError, open_regular, plain_key
 
 ALIASES_KEY = "torchrig.aliases"
 SHARD_BYTES = 256 << 20  # safetensors files are cut at about this size
@@ -144,7 +144,7 @@ def read_safetensors_once(
     allocated. Dtypes this reader does not list go through ``safetensors.torch.load``.
     """
     digest = hashlib.sha256() if hashing else None
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:  # a regular file, never a link, FIFO or device; read up to its size only
         size = os.fstat(f.fileno()).st_size
         head = _read_exact(f, 8)
         n = int.from_bytes(head, "little")
@@ -156,7 +156,7 @@ def read_safetensors_once(
         if not isinstance(metadata, dict) or not all(isinstance(v, dict) for v in header.values()):
             raise ValueError("the header is not a safetensors header")
         if any(info.get("dtype") not in _ST_DTYPES for info in header.values()):
-            data = head + raw + f.read()
+            data = head + raw + _read_exact(f, size - 8 - n)
             return (safetensors.torch.load(data), metadata), hashlib.sha256(data).hexdigest() if hashing else None
         if digest is not None:
             digest.update(head)
@@ -344,7 +344,7 @@ def _device_module(device: torch.device) -> Any:
 
 def check_key(key: Any) -> str:
     """State keys become file names, so they are plain names."""
-    if not isinstance(key, str) or not key or not all(c.isalnum() or c in "_-." for c in key) or key[0] == ".":
+    if not plain_key(key):
         raise ValueError(
             f"state key {key!r} cannot name a checkpoint entry; use letters, digits, '_', '-' or '.' "
             "(for example 'model', 'optimizer', 'step')"

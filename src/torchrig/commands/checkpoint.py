@@ -35,10 +35,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         return _inspect(args) if action == "inspect" else _consolidate(args)
-    except (CheckpointError, FileNotFoundError, ValueError) as err:
+    except (CheckpointError, OSError, ValueError) as err:  # a bad checkpoint is a message, never a traceback
         from rich.console import Console
+        from rich.markup import escape
 
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False)
         return 1
 
 
@@ -74,10 +75,11 @@ def _size(n: int) -> str:
 
 def _print_tables(info: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    console = Console()
-    console.print(f"[bold]checkpoint[/] {info['path']}", soft_wrap=True, highlight=False)
+    console = Console()  # every text from meta.json is escaped: a '[' in it is not rich markup
+    console.print(f"[bold]checkpoint[/] {escape(info['path'])}", soft_wrap=True, highlight=False)
     head = Table(show_header=False)
     rows = [
         ("created", info.get("created")),
@@ -91,7 +93,7 @@ def _print_tables(info: dict[str, Any]) -> None:
         ("versions", f"torch {info.get('torch')} · torchrig {info.get('torchrig')}"),
     ]
     for k, v in rows:
-        head.add_row(k, "-" if v is None else str(v))
+        head.add_row(k, "-" if v is None else escape(str(v)))
     console.print(head)
     entries = Table(title="entries")
     entries.add_column("key")
@@ -99,7 +101,7 @@ def _print_tables(info: dict[str, Any]) -> None:
     entries.add_column("type")
     for key, e in sorted(info["entries"].items()):
         value = info.get("values", {}).get(key, "") if e["kind"] == "value" else ""
-        entries.add_row(key, e["kind"], f"{e['type']} {value}".strip())
+        entries.add_row(escape(key), e["kind"], escape(f"{e['type']} {value}".strip()))
     console.print(entries)
     files = Table(title="files")
     files.add_column("file")
@@ -108,5 +110,5 @@ def _print_tables(info: dict[str, Any]) -> None:
     files.add_column("verified")
     for name, size, good in info["verified"]:
         mark = "[green]ok[/]" if good else "[bold red]MISMATCH[/]"
-        files.add_row(name, _size(size), info["files"][name]["sha256"][:16] + "…", mark)
+        files.add_row(escape(name), _size(size), info["files"][name]["sha256"][:16] + "…", mark)
     console.print(files)

@@ -1,0 +1,252 @@
+"""Checkpoints that fight back: files that hang or never end, a malformed ``meta.json``, loads
+refused half way, saves of state that cannot be saved, a full disk (issue 14, sections 3, 4, 6)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchrig
+from torchrig.checkpoint import CheckpointError, files
+from torchrig.cli import main
+
+EMPTY_SHA = hashlib.sha256().hexdigest()
+
+
+@pytest.fixture
+def rig() -> torchrig.Rig:
+    return torchrig.Rig(accelerator="cpu")
+
+
+@pytest.fixture
+def saved(rig: torchrig.Rig, tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    model = rig.prepare(nn.Linear(4, 3))
+    optimizer = rig.prepare(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return rig.save(tmp_path / "ck", {"model": model, "optimizer": optimizer, "step": 7})
+
+
+def _edit_meta(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    change(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def _inspect_fails(path: Path, capsys: pytest.CaptureFixture[str], message: str) -> None:
+    """``torchrig checkpoint inspect`` says what is wrong and exits non-zero, without a traceback."""
+    capsys.readouterr()
+    code = main(["checkpoint", "inspect", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "Traceback" not in out + err
+    assert message in " ".join((out + err).split()), out + err
+
+
+# -- section 3: only regular files inside the folder, read up to their listed size ---------------
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", ["model.safetensors", "state.pt"])
+def test_a_fifo_listed_with_size_zero_is_refused_without_hanging(
+    rig: torchrig.Rig, saved: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (saved / name).unlink()
+    os.mkfifo(saved / name)  # opening it for reading would wait for a writer forever
+    _edit_meta(saved, lambda m: m["files"].update({name: {"size": 0, "sha256": EMPTY_SHA}}))
+    with pytest.raises(CheckpointError, match=rf"{name} is a named pipe \(FIFO\), not a regular file"):
+        rig.load(saved, {"model": rig.prepare(nn.Linear(4, 3))})
+    with pytest.raises(CheckpointError, match=r"is a named pipe \(FIFO\)"):
+        torchrig.checkpoint.load(rig, saved, {"model": rig.prepare(nn.Linear(4, 3))}, verify=False)
+    capsys.readouterr()
+    assert main(["checkpoint", "inspect", str(saved)]) == 1  # the pipe is a failed file, listed as such
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(20)
+def test_a_meta_json_that_is_a_fifo_or_a_link_is_refused(
+    rig: torchrig.Rig, saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = (saved / "meta.json").read_bytes()
+    (saved / "meta.json").unlink()
+    os.mkfifo(saved / "meta.json")
+    with pytest.raises(CheckpointError, match=r"meta\.json is a named pipe \(FIFO\), not a regular file"):
+        rig.load(saved)
+    _inspect_fails(saved, capsys, "meta.json is a named pipe (FIFO), not a regular file")
+    (saved / "meta.json").unlink()
+    (tmp_path / "elsewhere.json").write_bytes(real)
+    (saved / "meta.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(CheckpointError, match=r"meta\.json is a symbolic link, not a regular file"):
+        rig.load(saved)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("target", ["/dev/zero", "copy"])
+def test_a_symlink_is_refused_even_to_the_right_bytes(
+    rig: torchrig.Rig, saved: Path, tmp_path: Path, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = saved / "model.safetensors"
+    if target == "copy":  # the very bytes meta.json lists, but outside the folder
+        (tmp_path / "outside.safetensors").write_bytes(real.read_bytes())
+        target = str(tmp_path / "outside.safetensors")
+    real.unlink()
+    real.symlink_to(target)  # /dev/zero: reading it would never end
+    model = rig.prepare(nn.Linear(4, 3))
+    before = model.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is a symbolic link, not a regular file"):
+        rig.load(saved, {"model": model})
+    assert torch.equal(model.weight, before)
+    _edit_meta(saved, lambda m: m["files"]["model.safetensors"].update(size=0))  # /dev/zero's stat size
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is a symbolic link"):
+        rig.load(saved, {"model": model})
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is a symbolic link"):
+        torchrig.checkpoint.consolidate(saved, tmp_path / "out.safetensors")
+
+
+def test_reads_stop_at_the_listed_size(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"0123456789")
+    assert files.read_regular(tmp_path / "f", 10) == b"0123456789"
+    with pytest.raises(CheckpointError, match=r"f is 10 bytes but meta\.json says 4"):
+        files.read_regular(tmp_path / "f", 4)
+    with pytest.raises(CheckpointError, match=r"f is 10 bytes, more than the 8 a torchrig f can be"):
+        files.read_regular(tmp_path / "f", limit=8)
+    assert files.sha256_file(tmp_path / "f", 10) == hashlib.sha256(b"0123456789").hexdigest()
+    with pytest.raises(CheckpointError, match=r"f is 10 bytes but meta\.json says 11"):
+        files.sha256_file(tmp_path / "f", 11)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/tmp/outside.safetensors", ".hidden", "a\\b", ".."])
+def test_file_names_outside_the_folder_are_refused(
+    rig: torchrig.Rig, saved: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def point_model_at(meta: dict[str, Any]) -> None:
+        meta["files"][name] = meta["files"].pop("model.safetensors")
+        meta["entries"]["model"].update(file=name, files=[name])
+
+    _edit_meta(saved, point_model_at)
+    message = f"files lists {name!r}, which is not a plain file name inside the checkpoint folder"
+    with pytest.raises(CheckpointError, match=rf"meta\.json: {re.escape(message)}"):
+        rig.load(saved, {"model": rig.prepare(nn.Linear(4, 3))})
+    _inspect_fails(saved, capsys, message)
+
+
+SCHEMA_CASES: list[tuple[str, Callable[[dict[str, Any]], object], str]] = [
+    ("files a list", lambda m: m.update(files=list(m["files"])),
+     "files must be a JSON object of file names, got a JSON array"),
+    ("no size", lambda m: m["files"]["state.pt"].pop("size"),
+     "files['state.pt'].size must be a non-negative integer, got None"),
+    ("size text", lambda m: m["files"]["model.safetensors"].update(size="x"),
+     "files['model.safetensors'].size must be a non-negative integer, got 'x'"),
+    ("size negative", lambda m: m["files"]["state.pt"].update(size=-1),
+     "files['state.pt'].size must be a non-negative integer, got -1"),
+    ("size bool", lambda m: m["files"]["state.pt"].update(size=True),
+     "files['state.pt'].size must be a non-negative integer, got True"),
+    ("sha text", lambda m: m["files"]["state.pt"].update(sha256="abc"),
+     "files['state.pt'].sha256 must be 64 hex digits, got 'abc'"),
+    ("version text", lambda m: m.update(version="two"),
+     "version must be a non-negative integer, got 'two'"),
+    ("entries list", lambda m: m.update(entries=[]),
+     "entries must be a JSON object of state keys, got a JSON array"),
+    ("entry list", lambda m: m["entries"].update(model=[]),
+     "entries['model'] must be a JSON object with kind and type, got a JSON array"),
+    ("kind", lambda m: m["entries"]["model"].update(kind="weights"),
+     "entries['model'].kind must be one of module, state, value, optimizer, got 'weights'"),
+    ("no type", lambda m: m["entries"]["step"].pop("type"),
+     "entries['step'].type must be a string, got None"),
+    ("unlisted", lambda m: m["entries"]["model"].update(files=["other.safetensors"]),
+     "entries['model'].files must be names of files listed under files, got a JSON array"),
+    ("key", lambda m: m["entries"].update({"../x": {"kind": "value",
+     "type": "int"}}), "entries['../x'] is not a plain state key"),
+    ("values", lambda m: m.update(values=3),
+     "values must be a JSON object, got 3"),
+    ("parameters", lambda m: m.update(parameters="many"),
+     "parameters must be a non-negative integer, got 'many'"),
+    ("sharded", lambda m: m.update(sharded="yes"),
+     "sharded must be true or false, got 'yes'"),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(("change", "message"), [c[1:] for c in SCHEMA_CASES], ids=[c[0] for c in SCHEMA_CASES])
+def test_a_malformed_meta_json_is_a_checkpoint_error_naming_the_field(
+    rig: torchrig.Rig,
+    saved: Path,
+    change: Callable[[dict[str, Any]], object],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _edit_meta(saved, change)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(saved / 'meta.json'))}: {re.escape(message)}"):
+        rig.load(saved, {"model": rig.prepare(nn.Linear(4, 3))})
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        torchrig.checkpoint.describe(saved)
+    _inspect_fails(saved, capsys, message)
+
+
+@pytest.mark.timeout(20)
+def test_deeply_nested_or_broken_json_is_a_checkpoint_error(
+    rig: torchrig.Rig, saved: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (saved / "meta.json").read_text()
+    (saved / "meta.json").write_text(text[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError, match=r"meta\.json is not valid JSON \(it nests too deeply\)"):
+        rig.load(saved)
+    _inspect_fails(saved, capsys, "is not valid JSON (it nests too deeply)")
+    (saved / "meta.json").write_text(text[:-5])
+    with pytest.raises(CheckpointError, match=r"meta\.json is not valid JSON"):
+        rig.load(saved)
+
+
+def test_ctrl_c_during_a_load_does_not_wait_for_blocked_reads(saved: Path) -> None:
+    """A KeyboardInterrupt leaves the reader at once; a read still under way finishes on its own."""
+    meta = files.read_meta(saved)
+    release = threading.Event()
+    with pytest.raises(KeyboardInterrupt), files.VerifiedReader(saved, meta) as reader:
+        blocked = reader.submit("state.pt", lambda path, hashing: (release.wait(), None))
+        raise KeyboardInterrupt
+    assert not blocked.done()  # before the fix, leaving the block waited here for ever
+    release.set()
+    assert blocked.result(timeout=10) is True
+
+
+# -- section 6: the weights_only refusal, plainly -------------------------------------------------
+class Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.mark.timeout(20)
+def test_the_pickle_refusal_names_the_globals_in_plain_whole_text(rig: torchrig.Rig, saved: Path) -> None:
+    marker = saved.parent / "payload-ran"
+    buf = io.BytesIO()
+    torch.save({"objects": {}, "values": {"step": Payload(marker)}, "module_extras": {}, "rng": []}, buf)
+    (saved / "state.pt").write_bytes(buf.getvalue())
+    _edit_meta(
+        saved,
+        lambda m: m["files"]["state.pt"].update(
+            size=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest()
+        ),
+    )
+    with pytest.raises(CheckpointError) as caught:
+        rig.load(saved)
+    text = str(caught.value)
+    assert text == (
+        f"refusing to load {saved / 'state.pt'}: it holds Python objects other than tensors and plain "
+        "containers (io.open), which could run code when unpickled; torchrig only loads tensors, "
+        "numbers, strings, lists, tuples and dicts, and nothing in the file was run"
+    )
+    assert "\x1b" not in text and not marker.exists()
