@@ -250,3 +250,111 @@ def test_the_pickle_refusal_names_the_globals_in_plain_whole_text(rig: torchrig.
         "numbers, strings, lists, tuples and dicts, and nothing in the file was run"
     )
     assert "\x1b" not in text and not marker.exists()
+
+
+# -- section 4: a refused load changes nothing ----------------------------------------------------
+class HalfWay:
+    """An object whose load_state_dict changes itself, then fails (as torch's can, through hooks)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = sd["n"]
+        if sd.get("fail", True) and sd["n"] == 5:
+            raise RuntimeError("failed half way")
+
+
+def _trained(
+    rig: torchrig.Rig, seed: int, opt: str = "sgd", groups: int = 1, shape: tuple[int, int] = (4, 3)
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = rig.prepare(nn.Linear(*shape))
+    params = [model.weight, model.bias]
+    param_groups = [{"params": params}] if groups == 1 else [{"params": params[:1]}, {"params": params[1:]}]
+    made = torch.optim.SGD(param_groups, lr=0.1, momentum=0.9) if opt == "sgd" else torch.optim.AdamW(param_groups)
+    optimizer = rig.prepare(made)
+    model(torch.randn(2, shape[0])).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _fingerprint(*objs: Any) -> list[Any]:
+    """Every tensor (cloned) and every other value the objects hold, to compare bitwise."""
+    out: list[Any] = [torch.get_rng_state()]
+    for obj in objs:
+        if isinstance(obj, nn.Module):
+            out += [t.detach().clone() for t in obj.state_dict().values()]
+        elif isinstance(obj, torch.optim.Optimizer):
+            sd = obj.state_dict()
+            out.append(repr(sd["param_groups"]))
+            for i, s in sd["state"].items():
+                out += [(i, k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()]
+        else:
+            out.append(repr(obj.state_dict()))
+    return out
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    def eq(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        if isinstance(x, tuple):
+            return isinstance(y, tuple) and len(x) == len(y) and all(eq(u, v) for u, v in zip(x, y, strict=True))
+        return bool(x == y)
+
+    return len(a) == len(b) and all(eq(x, y) for x, y in zip(a, b, strict=True))
+
+
+REFUSALS = {
+    "adamw for sgd": ({"opt": "adamw"}, {}, r"entry 'optimizer' does not match the AdamW given: it was saved from a "
+                      r"torch\.optim\.sgd\.SGD, not a torch\.optim\.adamw\.AdamW"),
+    "param groups": ({"groups": 2}, {}, r"does not match the SGD given: 1 parameter groups in the checkpoint, 2 in"),
+    "state shapes": ({"shape": (3, 4)}, {"strict": False},
+                     r"does not match the SGD given:\n  state 'momentum_buffer' of parameter 0: checkpoint "
+                     r"\(3, 4\), optimizer \(4, 3\)\n  state 'momentum_buffer' of parameter 1: checkpoint \(3,\), "
+                     r"optimizer \(4,\)"),
+    "module shapes": ({"shape": (3, 4)}, {}, r"entry 'model' does not match the module Linear:\n  shape mismatch"),
+    "half way": ({}, {"half_way": True}, r"could not load checkpoint entry 'extra' \(saved from a "
+                 r"test_checkpoint_hostile_files\.HalfWay\) into the HalfWay given: failed half way; "
+                 r"nothing was changed"),
+    "scheduler class": ({}, {"scheduler": True}, r"entry 'schedule' was saved from a "
+                        r"torch\.optim\.lr_scheduler\.StepLR, not the torch\.optim\.lr_scheduler\.ExponentialLR given"),
+    "no state_dict": ({}, {"value_as_object": True}, r"entry 'step' holds a builtins\.int, which has no state_dict"),
+}  # fmt: skip
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", list(REFUSALS))
+def test_a_refused_load_leaves_every_object_bitwise_as_it_was(rig: torchrig.Rig, tmp_path: Path, kind: str) -> None:
+    build, how, message = REFUSALS[kind]
+    model, optimizer = _trained(rig, seed=0)
+    extra = HalfWay()
+    extra.n = 5  # loading 5 back fails after setting it
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    path = rig.save(tmp_path / "ck", {"model": model, "optimizer": optimizer, "extra": extra, "schedule": schedule,
+                                      "step": 7})  # fmt: skip
+
+    model2, optimizer2 = _trained(rig, seed=1, **build)  # type: ignore[arg-type]
+    state: dict[str, Any] = {"model": model2, "optimizer": optimizer2}
+    if how.get("half_way"):
+        state["extra"] = HalfWay()
+    if how.get("scheduler"):
+        state["schedule"] = torch.optim.lr_scheduler.ExponentialLR(optimizer2, gamma=0.5)
+    if how.get("value_as_object"):
+        state["step"] = HalfWay()
+    objs = list(state.values())
+    before = _fingerprint(*objs)
+    with pytest.raises(CheckpointError, match=message):
+        rig.load(path, state, strict=how.get("strict", True))
+    assert _same(_fingerprint(*objs), before), "a refused load changed an object"
+    assert state["model"] is model2 and state["optimizer"] is optimizer2
+
+    # The same objects, matching, do load (the refusal was the mismatch, not the objects).
+    if kind == "half way":
+        ok = {"model": model2, "optimizer": optimizer2, "schedule": torch.optim.lr_scheduler.StepLR(optimizer2, 2)}
+        rig.load(path, ok)
+        assert _same(_fingerprint(model2), _fingerprint(model))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import io
@@ -38,9 +39,11 @@ from torchrig.checkpoint.state import (
     capture_rng,
     check_key,
     compare_module,
+    compare_optimizer,
     extract_tensors,
     for_safetensors,
     is_stateful,
+    raise_if,
     read_safetensors,
     read_safetensors_once,
     restore_rng,
@@ -371,36 +374,35 @@ def _apply(
 ) -> dict[str, Any]:
     wanted = state if state is not None else {}
     modules = {k: o for k, o in wanted.items() if isinstance(o, nn.Module) and k in entries}
-    problems = []
-    for key, obj in modules.items():
-        if entries[key]["kind"] != "module":
-            problems.append(f"checkpoint entry {key!r} holds a {entries[key]['type']}, not a module's weights")
-            continue
-        wrong, message = compare_module(key, unwrap_module(obj), tensors[key])
-        if message is not None and strict:
-            problems.append(message)
-        for name in wrong:
-            tensors[key].pop(name)
-    if problems:
-        raise CheckpointError("\n".join(problems))
-    for key, obj in modules.items():
-        sd = {**tensors.pop(key), **blob["module_extras"].get(key, {})}
-        unwrap_module(obj).load_state_dict(sd, strict=strict)
-    for key, obj in wanted.items():
-        if key in modules or key not in entries or not is_stateful(obj):
-            continue
-        if key not in blob["objects"]:
-            raise CheckpointError(f"checkpoint entry {key!r} holds a {entries[key]['type']}, which has no state_dict")
-        try:
-            obj.load_state_dict(blob["objects"].pop(key))
-        except (ValueError, KeyError, RuntimeError, TypeError) as err:
-            raise CheckpointError(
-                f"could not load checkpoint entry {key!r} (saved from a {entries[key]['type']}) into "
-                f"the {type(obj).__name__} given: {err}"
-            ) from err
-    if state is not None:
-        rngs = blob["rng"]
-        restore_rng(rngs[rig.global_rank] if len(rngs) == rig.world_size else rngs[0], rig.device)
+    objects = {k: o for k, o in wanted.items() if k not in modules and k in entries and is_stateful(o)}
+    raise_if(check_load(entries, blob, tensors, modules, objects, strict=strict))
+    # Every entry matched: now change the objects. Those with state_dict first, each restored if a
+    # later one fails (torch's own load_state_dict checks less than check_load and can still fail);
+    # module weights last, their names and shapes checked above.
+    done: list[tuple[Any, Any]] = []
+    rng_before = capture_rng(rig.device) if state is not None else None
+    try:
+        if state is not None:
+            rngs = blob["rng"]
+            restore_rng(rngs[rig.global_rank] if len(rngs) == rig.world_size else rngs[0], rig.device)
+        for key, obj in objects.items():
+            done.append((obj, snapshot(obj)))
+            try:
+                obj.load_state_dict(blob["objects"].pop(key))
+            except (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError) as err:
+                raise CheckpointError(
+                    f"could not load checkpoint entry {key!r} (saved from a {entries[key]['type']}) into "
+                    f"the {type(obj).__name__} given: {err}; nothing was changed"
+                ) from err
+        for key, obj in modules.items():
+            sd = {**tensors.pop(key), **blob["module_extras"].get(key, {})}
+            unwrap_module(obj).load_state_dict(sd, strict=strict)
+    except BaseException:
+        for obj, before in reversed(done):
+            obj.load_state_dict(before)
+        if rng_before is not None:
+            restore_rng(rng_before, rig.device)
+        raise
     left: dict[str, Any] = dict(blob["values"])
     left.update(blob["objects"])
     copies: dict[int, torch.Tensor] = {}  # module weights are mapped from the file: copy them, ties kept
@@ -415,3 +417,62 @@ def _apply(
         if key in left and not is_stateful(wanted[key]):
             wanted[key] = left[key]
     return left
+
+
+def check_load(
+    entries: dict[str, dict[str, Any]],
+    blob: dict[str, Any],
+    tensors: dict[str, dict[str, torch.Tensor]],
+    modules: dict[str, nn.Module],
+    objects: dict[str, Any],
+    *,
+    strict: bool,
+) -> str | None:
+    """Everything that would make loading into ``modules`` and ``objects`` fail, before any changes.
+
+    Modules: entry kind, names and shapes (with ``strict=False`` mismatched tensors are dropped
+    from ``tensors``). Objects with ``state_dict``: a saved state to load; optimizers and LR
+    schedulers: the class they were saved from; optimizers: parameter groups and state shapes.
+    """
+    problems = []
+    for key, obj in modules.items():
+        if entries[key]["kind"] != "module":
+            problems.append(f"checkpoint entry {key!r} holds a {entries[key]['type']}, not a module's weights")
+            continue
+        if key not in tensors:  # a sharded checkpoint: DCP compares its modules itself
+            continue
+        wrong, message = compare_module(key, unwrap_module(obj), tensors[key])
+        if message is not None and strict:
+            problems.append(message)
+        for name in wrong:
+            tensors[key].pop(name)
+    for key, obj in objects.items():
+        if key not in blob["objects"]:
+            problems.append(f"checkpoint entry {key!r} holds a {entries[key]['type']}, which has no state_dict")
+            continue
+        if isinstance(obj, torch.optim.Optimizer):
+            message = compare_optimizer(key, entries[key]["type"], obj, _qualname(obj), blob["objects"][key])
+            if message is not None:
+                problems.append(message)
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and _qualname(obj) != entries[key]["type"]:
+            problems.append(
+                f"checkpoint entry {key!r} was saved from a {entries[key]['type']}, not the {_qualname(obj)} given"
+            )
+    return "\n".join(problems) if problems else None
+
+
+def snapshot(obj: Any) -> Any:
+    """``obj.state_dict()`` to restore it with ``load_state_dict``: a deep copy, tensors shared
+    (a load replaces the tensors an object holds, it does not write into them)."""
+    sd = obj.state_dict()
+    memo: dict[int, Any] = {}
+    stack = [sd]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            memo[id(x)] = x
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return copy.deepcopy(sd, memo)

@@ -293,6 +293,66 @@ def compare_module(
     return wrong, "\n".join(lines)
 
 
+# Torch optimizers whose per-parameter state is not element-wise (factored or flattened moments).
+_NOT_ELEMENTWISE = {"torch.optim.lbfgs.LBFGS", "torch.optim._adafactor.Adafactor"}
+
+
+def compare_optimizer(
+    key: str, saved_type: str, optimizer: torch.optim.Optimizer, own: str, saved: Any
+) -> str | None:
+    """Why ``saved`` (the state dict of an optimizer of class ``saved_type``) cannot be loaded into
+    ``optimizer`` (of class ``own``), or ``None``: the class, the parameter groups and the shape of
+    every state tensor are checked, where torch's ``load_state_dict`` checks only group sizes."""
+    head = f"checkpoint entry {key!r} does not match the {own.rsplit('.', 1)[-1]} given"
+    if saved_type != own:
+        return f"{head}: it was saved from a {saved_type}, not a {own}; pass the optimizer it was saved from"
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    states = saved.get("state") if isinstance(saved, dict) else None
+    if not (
+        isinstance(groups, list)
+        and isinstance(states, dict)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        and all(isinstance(i, int) for g in groups for i in g["params"])
+    ):
+        return f"{head}: the checkpoint holds no optimizer state dict (no 'state' and 'param_groups')"
+    if len(groups) != len(optimizer.param_groups):
+        n = len(optimizer.param_groups)
+        return f"{head}: {len(groups)} parameter groups in the checkpoint, {n} in the optimizer"
+    lines = [
+        f"  parameter group {i}: {len(g['params'])} parameters in the checkpoint, {n} in the optimizer"
+        for i, (g, n) in enumerate(zip(groups, [len(g["params"]) for g in optimizer.param_groups], strict=True))
+        if len(g["params"]) != n
+    ]
+    if lines:
+        return "\n".join([f"{head}:", *lines])
+    params = dict(
+        zip(
+            [i for g in groups for i in g["params"]],
+            [p for g in optimizer.param_groups for p in g["params"]],
+            strict=True,
+        )
+    )
+    for i, values in states.items():
+        param = params.get(i)
+        if param is None or not isinstance(values, dict):
+            continue  # torch keeps state of no parameter as it is
+        live = optimizer.state.get(param, {})
+        for name, value in values.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            mine = live.get(name)
+            if isinstance(mine, torch.Tensor):
+                want = tuple(mine.shape)  # the optimizer's own state says what shape it keeps
+            elif own.startswith("torch.optim.") and own not in _NOT_ELEMENTWISE:
+                want = tuple(param.shape)  # torch's element-wise optimizers keep moments of the parameter's shape
+            else:
+                continue
+            if tuple(value.shape) != want:
+                lines.append(f"  state {name!r} of parameter {i}: checkpoint {tuple(value.shape)}, optimizer {want}")
+    more = [f"  ... and {len(lines) - _SHOW} more"] if len(lines) > _SHOW else []
+    return "\n".join([f"{head}:", *lines[:_SHOW], *more]) if lines else None
+
+
 # -- RNG ------------------------------------------------------------------------------------
 def capture_rng(device: torch.device) -> dict[str, Any]:
     """Python, NumPy, torch CPU and every device of ``device.type``, as weights_only-safe data."""
