@@ -4,7 +4,10 @@
     torchrig run --devices 8 --num-nodes 2 --node-rank 0 --master-addr HOST --master-port 29500 script.py ARGS
 
 The processes are started by ``torch.distributed.run`` (torchrun's Python API), which also
-watches them: when one fails the others are stopped and the failing rank is reported.
+watches them: when one fails the others are stopped. Each worker's own output (its traceback)
+goes straight to this terminal; torchrun's summary is replaced by one line naming the rank that
+failed first and its exit code. Each worker gets at most ``cores // processes`` intra-op CPU
+threads (``OMP_NUM_THREADS``) unless ``OMP_NUM_THREADS`` is already set.
 ``--accelerator``, ``--devices``, ``--strategy``, ``--precision`` and ``--num-nodes`` reach the
 script through the ``TORCHRIG_*`` variables that ``Rig()`` and ``Trainer()`` read as defaults.
 """
@@ -81,6 +84,8 @@ def main(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from torchrig.strategies.launch import thread_env, worker_threads
+
     if not os.path.isfile(args.script):
         print(f"torchrig run: no such script: {args.script}", file=sys.stderr)
         return 2
@@ -91,18 +96,25 @@ def main(args: argparse.Namespace) -> int:
         print(f"torchrig run: {err}", file=sys.stderr)
         return 2
     os.environ.update(script_env(args))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, without its warning
+    os.environ.update(thread_env(worker_threads(nproc)))  # set, so torchrun does not set 1 and warn
     try:
         run(get_args_parser().parse_args(launch))
     except ChildFailedError as err:
-        # torchrun has already stopped the other ranks; say which one failed first, and why.
-        print(err.format_msg(), file=sys.stderr)
+        # torchrun has already stopped the other ranks. The failing rank's traceback is on its
+        # stderr, above; torchrun's summary would only repeat it, or, for an error raised before
+        # Rig() (nothing wrote torchrun's error file), say "To enable traceback see: ...".
         rank, first = err.get_first_failure()
-        message = first.message.get("message", "") if isinstance(first.message, dict) else first.message
-        print(
-            f"torchrig run: {args.script} failed: rank {rank} failed first (exit code {first.exitcode})"
-            + (f": {message}" if message else ""),
-            file=sys.stderr,
-        )
+        print(f"torchrig run: {args.script} failed: {failure_summary(rank, first)}", file=sys.stderr)
         return 1
     return 0
+
+
+def failure_summary(rank: int, failure: Any) -> str:
+    """``rank R failed first (exit code C)``, with the error when the rank recorded it (an error
+    after ``Rig()``, through torchrig's failure report) or the signal that stopped it."""
+    text = f"rank {rank} failed first (exit code {failure.exitcode})"
+    if isinstance(failure.message, dict):  # written to torchrun's error file by the rank itself
+        message = failure.message.get("message", "")
+    else:  # torchrun's own words: the signal, or a pointer to its documentation
+        message = failure.message if failure.exitcode < 0 else ""
+    return f"{text}: {message}" if message else text

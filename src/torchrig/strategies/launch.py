@@ -8,7 +8,11 @@ Two launchers, both on the standard library and ``torch.multiprocessing``:
   when one exits with an error the others are stopped and this process exits non-zero.
 * :func:`spawn` (``ddp_spawn``, ``ddp_notebook``): ``torch.multiprocessing.start_processes``
   with ``spawn`` or ``fork``; it already stops every worker when one raises and re-raises the
-  error, naming the process, in the parent.
+  error, naming the process, in the parent. Each worker gets its own copy of every tensor it is
+  given (see :func:`spawn`).
+
+Every process either launcher (or ``torchrig run``) starts gets at most :func:`worker_threads`
+intra-op CPU threads, so N processes do not fight over the same cores.
 
 Under torchrun or SLURM neither is used: the launcher already started (and watches) every rank.
 """
@@ -53,6 +57,36 @@ def script_command() -> list[str]:
             "script with `torchrig run --devices N script.py`"
         )
     return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+
+
+def worker_threads(local_processes: int) -> int | None:
+    """Intra-op CPU threads for each of ``local_processes`` processes torchrig starts on this machine.
+
+    The cores this process may run on, shared out: ``cores // local_processes``, at least 1 (what
+    torchrun's one thread is for: N processes with every core each oversubscribe the machine).
+    ``None`` (leave the count alone) when the user chose with ``OMP_NUM_THREADS`` or there is one
+    process.
+    """
+    if os.environ.get("OMP_NUM_THREADS") or local_processes <= 1:
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroup cpusets)
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // local_processes)
+
+
+def thread_env(threads: int | None) -> dict[str, str]:
+    """The environment a new process needs to start with ``threads`` intra-op threads."""
+    return {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+
+
+def limit_threads(threads: int | None) -> None:
+    """In a process already running: at most ``threads`` intra-op threads (a lower count is kept)."""
+    import torch
+
+    if threads is not None and torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
 
 
 def rank_env(
@@ -122,10 +156,12 @@ class SubprocessLauncher:
                 port=port,
             )
 
+        threads = worker_threads(n)
         for local_rank in range(1, n):
-            env = {**os.environ, **place(local_rank), PARENT_PID_VAR: str(os.getpid())}
+            env = {**os.environ, **place(local_rank), **thread_env(threads), PARENT_PID_VAR: str(os.getpid())}
             self.children[node_rank * n + local_rank] = subprocess.Popen(cmd, env=env)
         os.environ.update(place(0))  # so code that reads RANK/WORLD_SIZE sees what the children see
+        limit_threads(threads)
         threading.Thread(target=self._watch, name="torchrig-watch-ranks", daemon=True).start()
         atexit.register(self.join)
         return ClusterEnvironment(
@@ -222,6 +258,9 @@ def _stderr(text: str) -> None:
         pass
 
 
+#: What a ``spawn``/``fork`` worker calls: ``(fn, args, kwargs)``.
+_Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
 _previous_hook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
 
 
@@ -255,14 +294,7 @@ def install_failure_report(rank: int, world_size: int, on_failure: Callable[[], 
     sys.excepthook = hook
 
 
-def _spawn_worker(
-    local_rank: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    base: dict[str, Any],
-    result_path: str,
-) -> None:
+def _spawn_worker(local_rank: int, call: bytes | _Call, base: dict[str, Any], result_path: str) -> None:
     n, node_rank = base["num_processes"], base["node_rank"]
     global_rank = node_rank * n + local_rank
     os.environ.update(
@@ -276,12 +308,14 @@ def _spawn_worker(
             port=base["port"],
         )
     )
+    limit_threads(base["threads"])
+    import pickle
+
+    fn, args, kwargs = pickle.loads(call) if isinstance(call, bytes) else call  # our own bytes, see spawn()
     result = fn(*args, **kwargs)
     if global_rank == 0:
         # A file, not a multiprocessing queue: a queue's pipe blocks a large result until the parent
         # reads it (which it does only after joining), and its shared-memory tensors die with the worker.
-        import pickle
-
         try:
             payload = pickle.dumps(result)
         except Exception as err:  # an unpicklable result must not fail a finished run
@@ -305,13 +339,29 @@ def spawn(
 
     ``fn`` and its arguments must be picklable for ``start_method="spawn"`` (define ``fn`` at module
     level). If a worker raises, the others are stopped and the error is raised here.
+
+    Every worker works on its own copy of the tensors in ``fn``, ``args`` and ``kwargs`` (a module
+    built here, its optimizer...), as a process started by ``ddp`` or torchrun does. For ``spawn``
+    they are pickled here once with the standard pickler, which copies a tensor's data, and each
+    worker unpickles its own copy: ``torch.multiprocessing``'s pickler would instead move every CPU
+    tensor to shared memory (this process's too), so all workers would update one set of weights.
+    A ``fork`` worker's memory is already its own (copy-on-write).
     """
+    call: bytes | _Call
     if start_method == "fork":
         _check_fork_safe()
+        call = (fn, args, kwargs)
     else:
-        _check_picklable(fn)
+        call = _pickled(fn, args, kwargs)
     addr, port, node_rank = _rendezvous(num_nodes)
-    base = {"num_processes": num_processes, "num_nodes": num_nodes, "node_rank": node_rank, "addr": addr, "port": port}
+    base = {
+        "num_processes": num_processes,
+        "num_nodes": num_nodes,
+        "node_rank": node_rank,
+        "addr": addr,
+        "port": port,
+        "threads": worker_threads(num_processes),
+    }
     import pickle
     import shutil
     import tempfile
@@ -320,7 +370,7 @@ def spawn(
     result_path = os.path.join(tmp, "rank0.pkl")
     try:
         mp.start_processes(
-            _spawn_worker, args=(fn, args, kwargs, base, result_path), nprocs=num_processes, start_method=start_method
+            _spawn_worker, args=(call, base, result_path), nprocs=num_processes, start_method=start_method
         )
         if not os.path.exists(result_path):
             return None
@@ -330,7 +380,8 @@ def spawn(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _check_picklable(fn: Callable[..., Any]) -> None:
+def _pickled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """``(fn, args, kwargs)`` as bytes (tensors copied), or a TypeError that says what cannot be sent."""
     import pickle
 
     target = getattr(fn, "args", (None, fn))[1] if hasattr(fn, "func") else fn  # Rig.launch's partial
@@ -342,6 +393,14 @@ def _check_picklable(fn: Callable[..., Any]) -> None:
             f"strategy='ddp_spawn' sends the function to new processes by pickling it, and {name} cannot be "
             f"pickled ({err}). Define it at module level (not a lambda or a nested function), or use "
             "strategy='ddp_notebook' (fork) or strategy='ddp' (re-runs the script)"
+        ) from err
+    try:
+        return pickle.dumps((fn, args, kwargs))
+    except Exception as err:
+        raise TypeError(
+            f"strategy='ddp_spawn' sends the function's arguments to new processes by pickling them, and one "
+            f"of them cannot be pickled ({err}). Pass picklable arguments (build the object inside the "
+            "function instead), or use strategy='ddp_notebook' (fork) or strategy='ddp' (re-runs the script)"
         ) from err
 
 
