@@ -358,3 +358,131 @@ def test_a_refused_load_leaves_every_object_bitwise_as_it_was(rig: torchrig.Rig,
         ok = {"model": model2, "optimizer": optimizer2, "schedule": torch.optim.lr_scheduler.StepLR(optimizer2, 2)}
         rig.load(path, ok)
         assert _same(_fingerprint(model2), _fingerprint(model))
+
+
+# -- section 6: a full disk, state that cannot be saved ------------------------------------------
+NO_SPACE = r"no space left on device at {}: the checkpoint needs about \d+\.\d MB, \d+\.\d MB free; nothing was "
+
+
+def _assert_previous_survives(rig: torchrig.Rig, folder: Path) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == ["last", "step-1"]  # no temp dir, no step-2
+    assert rig.load(folder / "last")["step"] == 1
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("where", ["torch.save", "safetensors"])
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(
+    rig: torchrig.Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    import errno
+
+    import safetensors
+    import safetensors.torch
+
+    model = rig.prepare(nn.Linear(64, 64))
+    rig.save(tmp_path / "step-1", {"model": model, "step": 1})
+    if where == "torch.save":  # torch reports it as "unexpected pos", the OSError as its context
+        def full(self: Any, b: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(files.HashingWriter, "write", full)
+    else:  # safetensors' Rust writer puts the errno in its text
+        def full_st(*args: Any, **kwargs: Any) -> None:
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")  # noqa: E501
+
+        monkeypatch.setattr(safetensors.torch, "save_file", full_st)
+    with pytest.raises(CheckpointError, match=NO_SPACE.format(re.escape(str(tmp_path / "step-2")))):
+        rig.save(tmp_path / "step-2", {"model": model, "step": 2})
+    monkeypatch.undo()
+    _assert_previous_survives(rig, tmp_path)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 1 MiB tmpfs (needs root and mount(2)); skipped where it cannot be made."""
+    import subprocess
+
+    where = tmp_path / "small"
+    where.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+@pytest.mark.timeout(30)
+def test_a_really_full_disk_says_so_and_keeps_the_previous_checkpoint(rig: torchrig.Rig, small_disk: Path) -> None:
+    model = rig.prepare(nn.Linear(64, 64))
+    rig.save(small_disk / "step-1", {"model": model, "step": 1})
+    big = rig.prepare(nn.Linear(1024, 512))  # 2 MB of weights: more than the whole disk
+    with pytest.raises(CheckpointError, match=NO_SPACE.format(re.escape(str(small_disk / "step-2")))) as caught:
+        rig.save(small_disk / "step-2", {"model": big, "step": 2})
+    assert re.search(r"needs about 2\.\d MB", str(caught.value))
+    _assert_previous_survives(rig, small_disk)
+
+
+class _Holder:
+    """An object whose state_dict holds something that cannot be saved."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.value}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = sd["inner"]
+
+
+def _nested(depth: int) -> list[Any]:
+    x: list[Any] = []
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+def _self_referencing() -> list[Any]:
+    a: list[Any] = [1, 2]
+    a.append({"back": a})
+    return a
+
+
+UNSAVEABLE = {
+    "huge int": (lambda: 2**70_000, r"state\['x'\] cannot be saved in a checkpoint: weights_only loading cannot read "
+                 r"an int of more than 255 bytes \(pickle opcode LONG4\) back"),
+    "self reference": (_self_referencing, r"state\['x'\]\[2\]\['back'\] is a list that contains itself; a checkpoint "
+                       r"cannot hold a list or dict that refers to itself"),
+    "lambda": (lambda: {"f": lambda: 1}, r"state\['x'\] cannot be saved in a checkpoint: pickle cannot store it "
+               r"\(Can't pickle .*\); functions and local classes cannot be saved"),
+    "in a state_dict": (lambda: _Holder(lambda: 1), r"state\['x'\]\.state_dict\(\) cannot be saved in a checkpoint: "
+                        r"pickle cannot store it"),
+    "deep": (lambda: _nested(5000), r"state\['x'\] cannot be saved in a checkpoint: it nests "
+             r"too deeply for pickle"),
+}  # fmt: skip
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", list(UNSAVEABLE))
+def test_state_that_cannot_be_saved_is_a_type_error_naming_the_key(
+    rig: torchrig.Rig, tmp_path: Path, kind: str
+) -> None:
+    make, message = UNSAVEABLE[kind]
+    with pytest.raises(TypeError, match=message) as caught:
+        rig.save(tmp_path / "ck", {"step": 1, "x": make()})
+    assert caught.value.__cause__ is None and "\x1b" not in str(caught.value)
+    assert list(tmp_path.iterdir()) == []  # checked before anything is written
+
+
+@pytest.mark.timeout(20)
+def test_a_quantized_tensor_is_saved_and_loaded(rig: torchrig.Rig, tmp_path: Path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated
+        q = torch.quantize_per_tensor(torch.tensor([0.5, -1.0, 2.0]), 0.5, 0, torch.qint8)
+    rig.save(tmp_path / "ck", {"q": q})
+    back = rig.load(tmp_path / "ck")["q"]
+    assert back.is_quantized and torch.equal(back.int_repr(), q.int_repr()) and back.q_scale() == 0.5

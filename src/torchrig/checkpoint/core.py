@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+import errno
 import functools
 import io
 import os
+import pickletools
+import re
+import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -121,31 +126,77 @@ def base_meta(rig: Any, entries: dict[str, Any], values: dict[str, Any]) -> dict
     }
 
 
-def _skeleton(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by an empty one: enough to see which classes it pickles."""
-    if isinstance(obj, torch.Tensor):
-        return torch.empty(0, dtype=obj.dtype)
+class _SelfReferenceError(TypeError):
+    pass
+
+
+def _skeleton(obj: Any, where: str, inside: frozenset[int] = frozenset()) -> Any:
+    """``obj`` with every tensor replaced by an empty one: enough to see which classes it pickles.
+
+    A list or dict that contains itself is a :class:`TypeError` naming where (pickle would recurse).
+    """
+    if isinstance(obj, torch.Tensor):  # a quantized tensor cannot be made empty without its quantizer: kept
+        return obj if obj.is_quantized else torch.empty(0, dtype=obj.dtype)
+    if isinstance(obj, (dict, list, tuple)):
+        if id(obj) in inside:
+            raise _SelfReferenceError(
+                f"{where} is a {type(obj).__name__} that contains itself; a checkpoint cannot hold a list or "
+                "dict that refers to itself"
+            )
+        inside = inside | {id(obj)}
     if isinstance(obj, dict):
-        out = {k: _skeleton(v) for k, v in obj.items()}
-        return type(obj)(out) if type(obj) is not dict else out
+        out = {k: _skeleton(v, f"{where}[{k!r}]", inside) for k, v in obj.items()}
+        if type(obj) is dict:
+            return out
+        same = copy.copy(obj)  # a dict subclass (OrderedDict, defaultdict) keeps its class for the check
+        same.clear()
+        same.update(out)
+        return same
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_skeleton(v) for v in obj)
+        return type(obj)(_skeleton(v, f"{where}[{i}]", inside) for i, v in enumerate(obj))
     return obj
 
 
+_OPCODES_IN_WORDS = {"LONG4": "an int of more than 255 bytes (pickle opcode LONG4)"}
+
+
+def _why_not_saved(err: BaseException) -> str:
+    """What a failed save-and-reload of one value says, in words."""
+    if isinstance(err, RecursionError):
+        return "it nests too deeply for pickle"
+    found = re.search(r"Unsupported operand (\d+)", str(err))
+    op = next((o.name for o in pickletools.opcodes if found and o.code == chr(int(found[1]))), None)
+    if op is not None:
+        what = _OPCODES_IN_WORDS.get(op, f"the pickle opcode {op}")
+        return f"weights_only loading cannot read {what} back"
+    if "Can't pickle" in str(err):  # a lambda, a local class: PicklingError or AttributeError
+        return f"pickle cannot store it ({err}); functions and local classes cannot be saved"
+    return f"{type(err).__name__}: {err}"
+
+
 def check_weights_only(blob: dict[str, Any]) -> None:
-    """Refuse, at save time, state that ``weights_only`` loading could not read back."""
-    buf = io.BytesIO()
-    torch.save(_skeleton(blob), buf)
-    buf.seek(0)
-    bad = unsafe_globals(buf)
-    if bad:
-        raise TypeError(
-            f"the checkpoint state holds Python objects that cannot be loaded safely: {', '.join(bad)}. "
-            "A checkpoint stores tensors, numbers, strings, lists, tuples and dicts only (loading never "
-            "unpickles arbitrary objects); convert these values to plain types, or give the object "
-            "state_dict()/load_state_dict() that return plain types"
-        )
+    """Refuse, at save time and before any file is written, state that ``weights_only`` loading
+    could not read back: a :class:`TypeError` naming the key (``state['step']``) and why."""
+    parts = [(f"state[{k!r}]", v) for k, v in blob["values"].items()]
+    parts += [(f"state[{k!r}].state_dict()", v) for k, v in blob["objects"].items()]
+    parts += [(f"the extra state of state[{k!r}]", v) for k, v in blob["module_extras"].items() if v]
+    for where, value in parts:
+        buf = io.BytesIO()
+        try:
+            torch.save(_skeleton(value, where), buf)
+            buf.seek(0)
+            bad = unsafe_globals(buf)
+        except _SelfReferenceError as err:
+            raise TypeError(str(err)) from None
+        except Exception as err:  # pickling, torch's serializer, the weights_only reader
+            raise TypeError(f"{where} cannot be saved in a checkpoint: {_why_not_saved(err)}") from None
+        if bad:
+            raise TypeError(
+                f"{where} holds Python objects that cannot be loaded safely: {', '.join(bad)}. "
+                "A checkpoint stores tensors, numbers, strings, lists, tuples and dicts only (loading never "
+                "unpickles arbitrary objects); convert these values to plain types, or give the object "
+                "state_dict()/load_state_dict() that return plain types"
+            )
 
 
 def _add_tensor_files(files: FileSet, prefix: str, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -207,6 +258,49 @@ def module_files(entry: dict[str, Any]) -> list[str]:
     return list(entry["files"] if "files" in entry else [entry["file"]])
 
 
+def _no_space(err: BaseException | None) -> bool:
+    """Whether ``err`` or an error it was raised from is a full disk (or quota): torch reports one as
+    ``unexpected pos`` with the ``OSError`` as its context, safetensors as ``(os error 28)``."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if f"(os error {errno.ENOSPC})" in str(err) or f"(os error {errno.EDQUOT})" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def raise_no_space(err: BaseException, target: Path, needed: int) -> None:
+    """A :class:`CheckpointError` saying how much room the checkpoint needs, if ``err`` is a full disk."""
+    if not _no_space(err):
+        return
+    try:
+        free = f"{shutil.disk_usage(target.parent).free / 1e6:.1f} MB free"
+    except OSError:
+        free = "free space unknown"
+    raise CheckpointError(
+        f"no space left on device at {target}: the checkpoint needs about {needed / 1e6:.1f} MB, {free}; "
+        "nothing was replaced (the previous checkpoint and the link are as they were)"
+    ) from err
+
+
+def _payload_bytes(payload: dict[str, Any]) -> int:
+    """About the size of a checkpoint: the bytes of its tensors, each storage once."""
+    seen: dict[tuple[int, int], int] = {}
+    stack: list[Any] = [payload["modules"], payload["blob"]]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            seen[(x.untyped_storage().data_ptr(), x.nbytes)] = x.nbytes
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return sum(seen.values()) + (64 << 10)  # and the pickle, the headers and meta.json
+
+
 def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | None, link: str | None) -> None:
     """Rank zero: write every file into a temp dir, fsync, then rename it into place."""
     check_weights_only(payload["blob"])  # fails before any file is touched
@@ -231,13 +325,55 @@ def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | N
         meta.update(sharded=False, files=table, tensors=tensors, parameters=params)
         write_meta(tmp, meta)
         commit(tmp, target)
-    except BaseException:
+    except BaseException as err:
         discard(tmp)
+        raise_no_space(err, target, _payload_bytes(payload))
         raise
     if link:
         update_link(target, link)
     if keep_last is not None:
         apply_retention(target, keep_last)
+
+
+_arrived = [0]  # rig.save calls every rank arrived at, counted alike on every rank
+ARRIVAL_TIMEOUT_ENV = "TORCHRIG_SAVE_ARRIVAL_TIMEOUT"
+
+
+def all_ranks_arrive(rig: Any, target: Path) -> None:
+    """Raise within about a minute when some rank does not call ``rig.save``.
+
+    Saving is collective (every rank's RNG state is gathered, FSDP ranks write their shards), so
+    ``rig.save`` under ``if rig.is_global_zero:`` would wait for the process group's timeout and
+    fail without saying why. Each rank marks its arrival in the process group's key-value store
+    (not a collective: nothing else can be waiting on it) and waits for the others' marks.
+    """
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # no default group, or a torch without the store
+        return
+    n = _arrived[0]
+    timeout = float(os.environ.get(ARRIVAL_TIMEOUT_ENV, "60"))
+    key = "torchrig/save/{}/{}".format
+    store.set(key(n, rig.global_rank), target.name)
+    keys = [key(n, r) for r in range(rig.world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError):
+        absent = [r for r in range(rig.world_size) if not store.check([keys[r]])]
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            store.delete_key(key(n, rig.global_rank))  # not counted: the next save on every rank is round n
+        raise RuntimeError(
+            f"rig.save({str(target)!r}) was not called on rank(s) {absent} within {timeout:.0f} s of rank "
+            f"{rig.global_rank}: every rank must call rig.save (rank 0 writes the files, but every rank's "
+            "state is gathered), so call it on all ranks, not under `if rig.is_global_zero:` (if a rank is only "
+            f"slower to get there, allow it more time with {ARRIVAL_TIMEOUT_ENV}=SECONDS)"
+        ) from None
+    _arrived[0] = n + 1
+    if n:
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            store.delete_key(key(n - 1, rig.global_rank))  # every rank is past the previous save's wait
 
 
 def save(
@@ -279,6 +415,8 @@ def save(
         )
     for key in state:
         check_key(key)
+    if rig.world_size > 1:
+        all_ranks_arrive(rig, target)
     if rig.strategy.sharded:
         return sharded.save(rig, target, state, keep_last=keep_last, link=link)
     payload = collect(rig, state)
