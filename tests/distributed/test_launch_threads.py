@@ -9,10 +9,11 @@ import sys
 from typing import Any
 
 import pytest
+import torch
 from dist_helpers import SCRIPTS, env, explain
 
 from torchrig.strategies import launch
-from torchrig.strategies.launch import thread_env, worker_threads
+from torchrig.strategies.launch import limit_threads, thread_env, worker_threads
 
 
 @pytest.mark.parametrize(
@@ -85,3 +86,18 @@ def test_a_users_omp_num_threads_is_kept() -> None:
     assert seen["ddp_notebook"]["threads"] == user * 2
     seen = _layouts([sys.executable, str(SCRIPTS / "threads.py"), "ddp"], omp="2")
     assert seen["ddp"]["threads"] == user * 2 and seen["ddp"]["env"] == "2"
+
+
+def test_a_running_process_is_only_ever_lowered() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        limit_threads(2)  # a lower count someone set is kept
+        assert torch.get_num_threads() == 1
+        limit_threads(None)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        limit_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
