@@ -536,14 +536,16 @@ class VerifiedReader:
             raise CheckpointError(f"could not read {path}: {type(err).__name__}: {err}") from err
 
     def close(self, *, wait: bool = True) -> None:
-        """Stop the pool; ``wait=False`` (on an error or Ctrl-C) returns at once, reads still running finish alone."""
+        """Stop the pool; ``wait=False`` returns at once, and reads still running finish on their own."""
         self._pool.shutdown(wait=wait, cancel_futures=True)
 
     def __enter__(self) -> VerifiedReader:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self.close(wait=exc_type is None)
+        # Ctrl-C leaves at once. On an error the reads under way (bounded: every file is regular and
+        # read up to its size) are waited for, so none still maps a file when the caller moves on.
+        self.close(wait=exc_type is None or issubclass(exc_type, Exception))
 
 
 def sha256_file(path: Path, size: int | None = None) -> str:
