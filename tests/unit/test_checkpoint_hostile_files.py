@@ -486,3 +486,32 @@ def test_a_quantized_tensor_is_saved_and_loaded(rig: torchrig.Rig, tmp_path: Pat
     rig.save(tmp_path / "ck", {"q": q})
     back = rig.load(tmp_path / "ck")["q"]
     assert back.is_quantized and torch.equal(back.int_repr(), q.int_repr()) and back.q_scale() == 0.5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["adamw for sgd", "scheduler class", "no state_dict"])
+def test_a_refused_sharded_load_leaves_every_object_as_it_was(tmp_path: Path, kind: str) -> None:
+    """Under FSDP, DCP writes into the modules as it reads: everything is checked before it starts."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)  # FSDP in one process warns about it
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    model, optimizer = _trained(rig, seed=0)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    path = rig.save(tmp_path / "ck", {"model": model, "optimizer": optimizer, "schedule": schedule, "step": 7})
+    model2, optimizer2 = _trained(rig, seed=1, opt="adamw" if kind == "adamw for sgd" else "sgd")
+    state: dict[str, Any] = {"model": model2, "optimizer": optimizer2}
+    if kind == "scheduler class":
+        state["schedule"] = torch.optim.lr_scheduler.ExponentialLR(optimizer2, gamma=0.5)
+    if kind == "no state_dict":
+        state["step"] = HalfWay()
+    message = {
+        "adamw for sgd": r"entry 'optimizer' was saved from a torch\.optim\.sgd\.SGD, not the torch\.optim\.adamw",
+        "scheduler class": r"entry 'schedule' was saved from a torch\.optim\.lr_scheduler\.StepLR",
+        "no state_dict": r"entry 'step' holds a builtins\.int, which has no state_dict",
+    }[kind]
+    before = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in _fingerprint(model2)]
+    with pytest.raises(CheckpointError, match=message):
+        rig.load(path, state)
+    after = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in _fingerprint(model2)]
+    assert _same(after, before), "a refused sharded load changed the model"

@@ -265,6 +265,7 @@ def load(
         blob = safe_torch_load(reader.path(core.STATE_FILE), map_location=rig.device)
     check_dcp_metadata(folder / DCP_METADATA)
     _compare(folder, modules, strict)
+    _check_before_dcp(entries, blob, modules, optims, rest, strict=strict)
     shards = dcp_state(
         {k: m for k, m in modules.items() if k in entries}, {k: o for k, o in optims.items() if k in entries}
     )
@@ -277,6 +278,31 @@ def load(
         if k in shards:
             set_optimizer_state_dict(_owner(modules, o), o, shards[k])
     return core._apply(rig, folder, entries, blob, {}, rest, strict=strict, device=rig.device)
+
+
+def _check_before_dcp(
+    entries: dict[str, Any],
+    blob: dict[str, Any],
+    modules: dict[str, nn.Module],
+    optims: dict[str, Any],
+    rest: dict[str, Any],
+    *,
+    strict: bool,
+) -> None:
+    """What :func:`core.check_load` checks, before DCP writes into the modules (they change as it reads)."""
+    from torchrig.checkpoint import core
+    from torchrig.checkpoint.state import is_stateful, raise_if
+
+    objects = {k: o for k, o in rest.items() if k in entries and is_stateful(o)}
+    named = {k: m for k, m in modules.items() if k in entries}
+    found = core.check_load(entries, blob, {}, named, objects, strict=strict)
+    problems = [found] if found else []
+    problems += [
+        f"checkpoint entry {k!r} was saved from a {entries[k]['type']}, not the {core._qualname(o)} given"
+        for k, o in optims.items()
+        if k in entries and entries[k]["type"] != core._qualname(o)
+    ]
+    raise_if("\n".join(problems) or None)
 
 
 def _compare(folder: Path, modules: dict[str, nn.Module], strict: bool) -> None:
