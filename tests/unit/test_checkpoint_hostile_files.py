@@ -515,3 +515,27 @@ def test_a_refused_sharded_load_leaves_every_object_as_it_was(tmp_path: Path, ki
         rig.load(path, state)
     after = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in _fingerprint(model2)]
     assert _same(after, before), "a refused sharded load changed the model"
+
+
+@pytest.mark.timeout(60)
+def test_a_sharded_checkpoint_reads_no_fifo_and_lists_its_dcp_metadata(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)  # FSDP in one process warns about it
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    model, optimizer = _trained(rig, seed=0)
+    path = rig.save(tmp_path / "ck", {"model": model, "optimizer": optimizer, "step": 7})
+    (path / ".metadata").unlink()
+    os.mkfifo(path / ".metadata")  # DCP and the metadata check would wait on it for ever
+    _edit_meta(path, lambda m: m["files"].update({".metadata": {"size": 0, "sha256": EMPTY_SHA}}))
+    with pytest.raises(CheckpointError, match=r"\.metadata is a named pipe \(FIFO\), not a regular file"):
+        rig.load(path, {"model": model, "optimizer": optimizer})
+    with pytest.raises(CheckpointError, match=r"\.metadata is a named pipe \(FIFO\)"):
+        torchrig.checkpoint.consolidate(path, tmp_path / "out.safetensors")
+    _edit_meta(path, lambda m: m["files"].pop(".metadata"))  # unlisted, it would escape the checks
+    message = "files must list .metadata in a sharded checkpoint"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        rig.load(path, {"model": model, "optimizer": optimizer})
+    _inspect_fails(path, capsys, message)

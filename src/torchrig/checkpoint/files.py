@@ -428,6 +428,8 @@ def validate_meta(meta: Any, source: Path) -> dict[str, Any]:
         need(_is_int(entry.get("size")), f"files[{name!r}].size", "a non-negative integer", entry.get("size"))
         sha = entry.get("sha256")
         need(isinstance(sha, str) and bool(_SHA256.fullmatch(sha)), f"files[{name!r}].sha256", "64 hex digits", sha)
+    if meta.get("sharded") and _HIDDEN_FILES[0] not in files:  # DCP reads it: it must be checked like the rest
+        raise CheckpointError(f"{source}: files must list {_HIDDEN_FILES[0]} in a sharded checkpoint; it is damaged")
     entries: Any = meta.get("entries")
     need(isinstance(entries, dict), "entries", "a JSON object of state keys", entries)
     for key, entry in entries.items():

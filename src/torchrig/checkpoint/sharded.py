@@ -66,7 +66,9 @@ def check_dcp_metadata(path: Path) -> None:
     unpickler (nothing outside the allow-list can be named, so nothing else can be called)
     keeps a stranger's checkpoint from executing code.
     """
-    with open(path, "rb") as f:
+    from torchrig.checkpoint.files import open_regular
+
+    with io.BufferedReader(open_regular(path)) as f:  # never a link, FIFO or device
         unpickler = _MetadataUnpickler(f)
         unpickler.path = path
         try:
