@@ -477,6 +477,7 @@ def test_state_that_cannot_be_saved_is_a_type_error_naming_the_key(
 
 
 @pytest.mark.timeout(20)
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's own quantized-tensor rebuild warns (TypedStorage)
 def test_a_quantized_tensor_is_saved_and_loaded(rig: torchrig.Rig, tmp_path: Path) -> None:
     import warnings
 
@@ -488,13 +489,11 @@ def test_a_quantized_tensor_is_saved_and_loaded(rig: torchrig.Rig, tmp_path: Pat
     assert back.is_quantized and torch.equal(back.int_repr(), q.int_repr()) and back.q_scale() == 0.5
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["adamw for sgd", "scheduler class", "no state_dict"])
 def test_a_refused_sharded_load_leaves_every_object_as_it_was(tmp_path: Path, kind: str) -> None:
     """Under FSDP, DCP writes into the modules as it reads: everything is checked before it starts."""
-    import warnings
-
-    warnings.filterwarnings("ignore", category=UserWarning)  # FSDP in one process warns about it
     rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
     model, optimizer = _trained(rig, seed=0)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
@@ -517,13 +516,11 @@ def test_a_refused_sharded_load_leaves_every_object_as_it_was(tmp_path: Path, ki
     assert _same(after, before), "a refused sharded load changed the model"
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
 @pytest.mark.timeout(60)
 def test_a_sharded_checkpoint_reads_no_fifo_and_lists_its_dcp_metadata(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore", category=UserWarning)  # FSDP in one process warns about it
     rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
     model, optimizer = _trained(rig, seed=0)
     path = rig.save(tmp_path / "ck", {"model": model, "optimizer": optimizer, "step": 7})
