@@ -13,6 +13,7 @@ import pickletools
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -340,12 +341,15 @@ ARRIVAL_TIMEOUT_ENV = "TORCHRIG_SAVE_ARRIVAL_TIMEOUT"
 
 
 def all_ranks_arrive(rig: Any, target: Path) -> None:
-    """Raise within about a minute when some rank does not call ``rig.save``.
+    """Say within about a minute when some rank has not called ``rig.save``; fail at the group's timeout.
 
     Saving is collective (every rank's RNG state is gathered, FSDP ranks write their shards), so
     ``rig.save`` under ``if rig.is_global_zero:`` would wait for the process group's timeout and
     fail without saying why. Each rank marks its arrival in the process group's key-value store
-    (not a collective: nothing else can be waiting on it) and waits for the others' marks.
+    (not a collective: nothing else can be waiting on it) and waits for the others' marks. After
+    ``TORCHRIG_SAVE_ARRIVAL_TIMEOUT`` seconds (60) a warning names the absent ranks; a rank that is
+    only late (rank 0 evaluating alone before the save) then still arrives and the save goes on.
+    At the process group's timeout the wait ends in a ``RuntimeError`` that says every rank must call it.
     """
     import torch.distributed as dist
 
@@ -354,22 +358,39 @@ def all_ranks_arrive(rig: Any, target: Path) -> None:
     except (AttributeError, RuntimeError, ValueError):  # no default group, or a torch without the store
         return
     n = _arrived[0]
-    timeout = float(os.environ.get(ARRIVAL_TIMEOUT_ENV, "60"))
+    warn_after = float(os.environ.get(ARRIVAL_TIMEOUT_ENV, "60"))
+    group_timeout = getattr(getattr(rig, "strategy", None), "timeout", None)
+    limit = group_timeout.total_seconds() if isinstance(group_timeout, datetime.timedelta) else 1800.0
     key = "torchrig/save/{}/{}".format
     store.set(key(n, rig.global_rank), target.name)
     keys = [key(n, r) for r in range(rig.world_size)]
+    advice = (
+        "every rank must call rig.save (rank 0 writes the files, but every rank's state is gathered), so call "
+        "it on all ranks, not under `if rig.is_global_zero:`"
+    )
+
+    def absent() -> list[int]:
+        return [r for r in range(rig.world_size) if not store.check([keys[r]])]
+
+    waited = min(warn_after, limit)
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+        store.wait(keys, datetime.timedelta(seconds=waited))
     except (RuntimeError, dist.DistError):
-        absent = [r for r in range(rig.world_size) if not store.check([keys[r]])]
-        with contextlib.suppress(RuntimeError, dist.DistError):
-            store.delete_key(key(n, rig.global_rank))  # not counted: the next save on every rank is round n
-        raise RuntimeError(
-            f"rig.save({str(target)!r}) was not called on rank(s) {absent} within {timeout:.0f} s of rank "
-            f"{rig.global_rank}: every rank must call rig.save (rank 0 writes the files, but every rank's "
-            "state is gathered), so call it on all ranks, not under `if rig.is_global_zero:` (if a rank is only "
-            f"slower to get there, allow it more time with {ARRIVAL_TIMEOUT_ENV}=SECONDS)"
-        ) from None
+        warnings.warn(
+            f"rank {rig.global_rank} has waited {waited:.0f} s in rig.save({str(target)!r}) for rank(s) {absent()}: "
+            f"{advice}. Still waiting, up to the process group's timeout ({limit:.0f} s)",
+            stacklevel=3,
+        )
+        try:
+            store.wait(keys, datetime.timedelta(seconds=max(limit - waited, 0.001)))
+        except (RuntimeError, dist.DistError):
+            missing = absent()
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                store.delete_key(key(n, rig.global_rank))  # not counted: the next save on every rank is round n
+            raise RuntimeError(
+                f"rig.save({str(target)!r}) was not called on rank(s) {missing} within {limit:.0f} s (the process "
+                f"group's timeout) of rank {rig.global_rank}: {advice}"
+            ) from None
     _arrived[0] = n + 1
     if n:
         with contextlib.suppress(RuntimeError, dist.DistError):
