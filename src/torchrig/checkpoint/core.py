@@ -492,7 +492,7 @@ def load(
         raise TypeError(f"load() takes state as a dict of the objects to fill, got {type(state)}")
     device = torch.device(map_location) if map_location is not None else rig.device
     if meta.get("sharded"):
-        return sharded.load(rig, folder, meta, state, strict=strict, verify=verify)
+        return _update_values(state, sharded.load(rig, folder, meta, state, strict=strict, verify=verify))
     entries: dict[str, dict[str, Any]] = meta["entries"]
     wanted = state if state is not None else {}
     missing = [k for k in wanted if k not in entries]
@@ -517,7 +517,15 @@ def load(
         raise CheckpointError(
             f"{folder / STATE_FILE} does not match its tensor files ({err!r}); the checkpoint is damaged"
         ) from err
-    return _apply(rig, folder, entries, blob, tensors, state, strict=strict, device=device)
+    return _update_values(state, _apply(rig, folder, entries, blob, tensors, state, strict=strict, device=device))
+
+
+def _update_values(state: dict[str, Any] | None, left: dict[str, Any]) -> dict[str, Any]:
+    """Plain values named in ``state`` take their loaded value there (whole and sharded loads alike)."""
+    for key, obj in (state or {}).items():
+        if key in left and not is_stateful(obj):
+            state[key] = left[key]  # type: ignore[index]  # state is not None here
+    return left
 
 
 def _apply(
@@ -572,9 +580,6 @@ def _apply(
             if k not in modules
         }
     )
-    for key in wanted:
-        if key in left and not is_stateful(wanted[key]):
-            wanted[key] = left[key]
     return left
 
 
