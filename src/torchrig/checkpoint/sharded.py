@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import io
 import pickle
-from collections.abc import Iterator
+import pickletools
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,60 +25,203 @@ from torch import nn
 from torchrig.checkpoint.files import CheckpointError
 
 DCP_METADATA = ".metadata"
-# What a DCP ``.metadata`` pickle may name: DCP's own dataclasses and torch's dtype/size types.
-_SAFE_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
-_SAFE_GLOBALS = {
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("copyreg", "_reconstructor"),
-    ("builtins", "object"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),  # DCP records the checkpoint_id it was saved to
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Python's documented way to restrict unpickling: only allow-listed globals can be named."""
+@functools.cache
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """Every global a DCP ``.metadata`` pickle names, as ``(module, name)`` -> the object itself.
+
+    Exact pairs only (never a module prefix, never a dotted name): DCP's metadata dataclasses and
+    enum, the record of where each item lies in a shard file, ``torch.Size``, torch's dtypes and
+    layouts, and the ``pathlib`` class of the folder DCP saved to.
+    """
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    table: dict[tuple[str, str], Any] = {}
+    dcp_classes = {
+        "torch.distributed.checkpoint.metadata": (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        ),
+        "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    }
+    modules = {"torch.distributed.checkpoint.metadata": metadata, "torch.distributed.checkpoint.filesystem": filesystem}
+    for module, names in dcp_classes.items():
+        table.update({(module, n): getattr(modules[module], n) for n in names if hasattr(modules[module], n)})
+    table[("torch", "Size")] = torch.Size
+    table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    for name in dir(torch):  # dtypes, layouts and memory formats are pickled by name: data, not callables
+        if isinstance(getattr(torch, name), (torch.dtype, torch.layout, torch.memory_format)):
+            table[("torch", name)] = getattr(torch, name)
+    native = type(pathlib.Path()).__name__
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        cls = getattr(pathlib, name if name.startswith("Pure") or name == native else f"Pure{name}")
+        for module in ("pathlib", "pathlib._local"):  # where Python 3.13 defines them
+            table[(module, name)] = cls  # a path saved on another OS is kept as its pure path
+    return table
+
+
+# Opcodes that only build data (or that the unpickler below restricts); the others (INST, OBJ,
+# NEWOBJ_EX, EXT*, PERSID, out-of-band buffers) are never in a DCP metadata file and are refused.
+_DATA_OPCODES = frozenset(
+    """PROTO FRAME STOP MARK POP POP_MARK DUP NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4
+    FLOAT BINFLOAT STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8 BINBYTES
+    SHORT_BINBYTES BINBYTES8 BYTEARRAY8 EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3 EMPTY_LIST LIST APPEND APPENDS
+    EMPTY_DICT DICT SETITEM SETITEMS EMPTY_SET ADDITEMS FROZENSET GET BINGET LONG_BINGET PUT BINPUT LONG_BINPUT
+    MEMOIZE GLOBAL STACK_GLOBAL REDUCE NEWOBJ BUILD""".split()  # noqa: SIM905
+)
+
+
+class _RefusedOpcodes(dict):  # type: ignore[type-arg]
+    def __missing__(self, code: int) -> Any:
+        raise _RefusedError(f"it uses the pickle opcode {code:#04x}, which a DCP metadata file never holds")
+
+
+class _RefusedError(Exception):
+    pass
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """A pickle reader that can only build DCP's metadata: exact allow-listed globals, data opcodes,
+    and calls (``REDUCE``, ``NEWOBJ``) and attribute restores (``BUILD``) of the allow-listed classes only.
+
+    Python's pure-Python unpickler, with its opcode table cut down: the C one cannot be kept from
+    ``BUILD`` setting attributes on an allowed class itself (patching it for the whole process).
+    """
+
+    stack: list[Any]  # the unpickler's stack (pickle._Unpickler's own attribute)
+    dispatch = _RefusedOpcodes(
+        {
+            op.code.encode("latin-1")[0]: pickle._Unpickler.dispatch[op.code.encode("latin-1")[0]]
+            for op in pickletools.opcodes
+            if op.name in _DATA_OPCODES
+        }
+    )
+
+    def __init__(self, file: io.BufferedIOBase) -> None:
+        super().__init__(file)
+        table = _metadata_globals()
+        self._callables = {id(v): v for v in table.values() if callable(v)}
+        self._classes = {v for v in table.values() if isinstance(v, type)}
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_SAFE_MODULES) or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
-        raise CheckpointError(
-            f"refusing to load {self.path}: it names the Python object {module}.{name}, which could run "
-            "code when unpickled; a DCP metadata file only holds DCP's own classes"
-        )
+        found = _metadata_globals().get((module, name))
+        if found is None:
+            raise _RefusedError(f"it names the Python object {name!r} of module {module!r}")
+        return found
 
-    path: Path
+    def _call(self, func: Any) -> None:
+        if id(func) not in self._callables:
+            raise _RefusedError(f"it calls a {type(func).__name__}, {func!r:.80}")
+
+    def load_reduce(self) -> None:
+        self._call(self.stack[-2])
+        super().load_reduce()  # type: ignore[misc]
+
+    def load_newobj(self) -> None:
+        self._call(self.stack[-2])
+        super().load_newobj()  # type: ignore[misc]
+
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if isinstance(inst, type):  # would patch the class for the whole process
+            raise _RefusedError(f"it sets attributes of the class {inst.__module__}.{inst.__qualname__}")
+        if type(inst) not in self._classes:
+            raise _RefusedError(f"it sets attributes of a {type(inst).__name__}")
+        for part in state if isinstance(state, tuple) else (state,):
+            if isinstance(part, dict) and any(not isinstance(k, str) or k.startswith("__") for k in part):
+                raise _RefusedError(f"it sets the attributes {list(part)} of a {type(inst).__name__}")
+        super().load_build()  # type: ignore[misc]
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.BUILD[0]] = load_build
 
 
-def check_dcp_metadata(path: Path) -> None:
-    """Refuse a ``.metadata`` pickle naming anything but DCP's classes and torch dtypes.
+def parse_dcp_metadata(path: Path, data: bytes, files: Collection[str]) -> Any:
+    """DCP's ``Metadata`` from the bytes of ``path``, without running anything they name.
 
-    DCP unpickles this file with plain ``pickle``; reading it first through a restricted
-    unpickler (nothing outside the allow-list can be named, so nothing else can be called)
-    keeps a stranger's checkpoint from executing code.
+    DCP itself reads this file with plain ``pickle.load``; torchrig reads it here instead (and hands
+    the result to DCP through :func:`_reader`), so a pickle payload is refused before it runs: a
+    :class:`CheckpointError` naming the file and the global. Every shard file it points DCP at must
+    be one of ``files`` (listed in ``meta.json``, so checked like the rest).
     """
-    from torchrig.checkpoint.files import open_regular
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
 
-    with io.BufferedReader(open_regular(path)) as f:  # never a link, FIFO or device
-        unpickler = _MetadataUnpickler(f)
-        unpickler.path = path
-        try:
-            unpickler.load()
-        except CheckpointError:
-            raise
-        except Exception as err:
-            raise CheckpointError(f"{path} is not a readable DCP metadata file: {err}") from err
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _RefusedError as err:
+        raise CheckpointError(
+            f"refusing to load {path}: {err}, which could run code when unpickled; a DCP metadata file only "
+            "holds DCP's own classes, torch.Size and dtypes, and nothing in it was run"
+        ) from None
+    except Exception as err:
+        raise CheckpointError(f"{path} is not a readable DCP metadata file: {type(err).__name__}: {err}") from None
+    if (
+        type(md) is not Metadata
+        or not isinstance(md.state_dict_metadata, dict)
+        or not isinstance(md.storage_data, dict)
+        or not isinstance(md.planner_data, (dict, type(None)))
+    ):
+        raise CheckpointError(f"{path} is not a DCP metadata file: it holds a {type(md).__name__}")
+    for info in md.storage_data.values():
+        ok = type(info) is _StorageInfo and info.relative_path in files and info.relative_path != DCP_METADATA
+        if not ok or not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
+            raise CheckpointError(
+                f"{path} points at {getattr(info, 'relative_path', info)!r}, which is not a shard file listed in "
+                "meta.json; refusing to read it"
+            )
+    count = len(md.state_dict_metadata)  # where a list index in an item's path is bounded (DCP grows lists to it)
+    for key, where in (md.planner_data or {}).items():
+        if not isinstance(where, tuple) or not all(
+            isinstance(k, str) or (type(k) is int and 0 <= k <= count) for k in where
+        ):
+            raise CheckpointError(f"{path} gives the item {key!r} the path {where!r:.100}, not a state-dict path")
+    return md
+
+
+def read_dcp_metadata(path: Path, hashing: bool, *, files: Collection[str]) -> tuple[Any, str | None]:
+    """:func:`parse_dcp_metadata` of a file read once, and the SHA-256 of those bytes (for
+    :meth:`VerifiedReader.submit`: the bytes checked are the bytes parsed and given to DCP)."""
+    from torchrig.checkpoint.files import read_regular
+
+    data = read_regular(path)  # never a link, FIFO or device
+    return parse_dcp_metadata(path, data, files), hashlib.sha256(data).hexdigest() if hashing else None
+
+
+def _verified_metadata(reader: Any, meta: dict[str, Any]) -> Any:
+    """Start checking every file of a sharded checkpoint; DCP's metadata, parsed safely and verified."""
+    for name in meta["files"]:
+        if name != DCP_METADATA:
+            reader.path(name)
+    job = reader.submit(DCP_METADATA, functools.partial(read_dcp_metadata, files=frozenset(meta["files"])))
+    md = job.result()
+    reader.check()
+    return md
+
+
+def _reader(folder: Path, md: Any) -> Any:
+    """DCP's file reader for ``folder``, whose metadata is ``md`` (already read safely), never the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # what FileSystemReader does after unpickling
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return CheckedReader(str(folder))
 
 
 def _owner(module_items: dict[str, nn.Module], optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -162,6 +307,7 @@ def _finish(
         apply_retention,
         commit,
         hash_existing,
+        read_regular,
         update_link,
         write_meta,
         write_torch,
@@ -176,7 +322,8 @@ def _finish(
     entries.update({k: {"kind": "module", "type": core._qualname(m), "dcp": True} for k, m in modules.items()})
     entries.update({k: {"kind": "optimizer", "type": core._qualname(o), "dcp": True} for k, o in optims.items()})
     meta = core.base_meta(rig, entries, payload["blob"]["values"])
-    meta.update(sharded=True, files=table, **_counts(tmp, list(modules)))
+    md = parse_dcp_metadata(tmp / DCP_METADATA, read_regular(tmp / DCP_METADATA), files=table)  # as loads read it
+    meta.update(sharded=True, files=table, **_counts(md, list(modules)))
     write_meta(tmp, meta)
     commit(tmp, target)
     if link:
@@ -185,12 +332,10 @@ def _finish(
         apply_retention(target, keep_last)
 
 
-def _counts(folder: Path, module_keys: list[str]) -> dict[str, int]:
-    """Tensor and parameter counts of the modules' shards, from DCP's metadata (full shapes)."""
-    from torch.distributed.checkpoint import FileSystemReader
+def _counts(md: Any, module_keys: list[str]) -> dict[str, int]:
+    """Tensor and parameter counts of the modules' shards, from DCP's metadata ``md`` (full shapes)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = FileSystemReader(str(folder)).read_metadata()  # the file this save just wrote
     prefixes = tuple(f"{k}." for k in module_keys)
     tensors = [
         v for k, v in md.state_dict_metadata.items() if k.startswith(prefixes) and isinstance(v, TensorStorageMetadata)
@@ -261,18 +406,15 @@ def load(
     if missing and strict:
         raise CheckpointError(f"the checkpoint {folder} has no entries {missing}; it has {sorted(entries)}")
     with VerifiedReader(folder, meta, verify=verify) as reader:
-        for name in meta["files"]:
-            reader.path(name)
-        reader.check()
+        md = _verified_metadata(reader, meta)
         blob = safe_torch_load(reader.path(core.STATE_FILE), map_location=rig.device)
-    check_dcp_metadata(folder / DCP_METADATA)
-    _compare(folder, modules, strict)
+    _compare(md, modules, strict)
     _check_before_dcp(entries, blob, modules, optims, rest, strict=strict)
     shards = dcp_state(
         {k: m for k, m in modules.items() if k in entries}, {k: o for k, o in optims.items() if k in entries}
     )
     with _refuse_code(folder):
-        dcp.load(shards, checkpoint_id=folder, planner=_safe_planner())
+        dcp.load(shards, storage_reader=_reader(folder, md), planner=_safe_planner())
     for k, m in modules.items():
         if k in shards:
             set_model_state_dict(m, shards[k])
@@ -307,14 +449,13 @@ def _check_before_dcp(
     raise_if("\n".join(problems) or None)
 
 
-def _compare(folder: Path, modules: dict[str, nn.Module], strict: bool) -> None:
-    from torch.distributed.checkpoint import FileSystemReader
+def _compare(dcp_metadata: Any, modules: dict[str, nn.Module], strict: bool) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from torchrig.checkpoint.state import compare_module
 
-    md = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    md = dcp_metadata.state_dict_metadata
     problems = []
     for key, module in modules.items():
         saved = {
@@ -332,21 +473,15 @@ def _compare(folder: Path, modules: dict[str, nn.Module], strict: bool) -> None:
 
 def consolidate_dcp(folder: Path, meta: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     """The full tensors of every module entry of a sharded checkpoint, read in this one process."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     from torchrig.checkpoint.files import VerifiedReader
 
     with VerifiedReader(folder, meta) as reader:
-        for name in meta["files"]:
-            reader.path(name)
-        reader.check()
-    check_dcp_metadata(folder / DCP_METADATA)
+        md = _verified_metadata(reader, meta)
     keys = [k for k, e in meta["entries"].items() if e["kind"] == "module"]
     # What dcp_to_torch_save does (it is DCP's own converter), but with the weights_only planner.
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
     with _refuse_code(folder):
-        shards = FileSystemReader(str(folder))
-        _load_state_dict(sd, storage_reader=shards, planner=_safe_planner(keys=keys), no_dist=True)
+        _load_state_dict(sd, storage_reader=_reader(folder, md), planner=_safe_planner(keys=keys), no_dist=True)
     return {k: {n: t for n, t in sd.get(k, {}).items() if isinstance(t, torch.Tensor)} for k in keys}
