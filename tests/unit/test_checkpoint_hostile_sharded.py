@@ -248,3 +248,20 @@ def test_a_sharded_checkpoint_loads_and_consolidates_without_dcp_unpickling_its_
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"\x80\x04P0\n.", "it uses the pickle opcode PERSID, which a DCP metadata file never holds"),
+        (b"\x80\x04(ios\nsystem\nX\x04\x00\x00\x00true.", "it uses the pickle opcode INST"),
+        (b"\x80\x04\xff.", "it uses the pickle opcode 0xff"),
+    ],
+    ids=["persistent id", "INST", "no such opcode"],
+)
+def test_opcodes_a_metadata_file_never_holds_are_refused(tmp_path: Path, data: bytes, message: str) -> None:
+    from torchrig.checkpoint.sharded import parse_dcp_metadata
+
+    with pytest.raises(CheckpointError, match=re.escape(f"refusing to load {tmp_path / '.metadata'}: {message}")):
+        parse_dcp_metadata(tmp_path / ".metadata", data, files=["__0_0.distcp"])

@@ -82,7 +82,8 @@ _DATA_OPCODES = frozenset(
 
 class _RefusedOpcodes(dict):  # type: ignore[type-arg]
     def __missing__(self, code: int) -> Any:
-        raise _RefusedError(f"it uses the pickle opcode {code:#04x}, which a DCP metadata file never holds")
+        name = next((op.name for op in pickletools.opcodes if op.code == chr(code)), f"{code:#04x}")
+        raise _RefusedError(f"it uses the pickle opcode {name}, which a DCP metadata file never holds")
 
 
 class _RefusedError(Exception):
