@@ -68,7 +68,7 @@ def test_fit_with_a_yaml_config_then_test_from_the_checkpoint(tmp_path: Path) ->
     saved = yaml.safe_load((tmp_path / "run" / "torchrig_logs" / "version_0" / "config.yaml").read_text())
     assert saved["trainer"]["accelerator"] == "xpu_sim" and saved["trainer"]["max_epochs"] == 3
     assert saved["model"] == {"hidden": 8, "lr": 0.05}
-    last = tmp_path / "run" / "checkpoints" / "last"
+    last = tmp_path / "run" / "torchrig_logs" / "version_0" / "checkpoints" / "last"  # beside config.yaml
     assert last.exists()
     rows = read_metrics(tmp_path / "run" / "torchrig_logs" / "version_0")
     assert [r["step"] for r in rows if "train_loss" in r] == list(range(1, 13))  # 4 batches x 3 epochs

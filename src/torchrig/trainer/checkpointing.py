@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
 
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+_VERSION = re.compile(r"^version_\d+$")
 
 
 class ModelCheckpoint(Callback):
@@ -25,8 +26,17 @@ class ModelCheckpoint(Callback):
     By default it saves at the end of every epoch; ``every_n_train_steps`` saves after every n
     optimizer steps instead (mid-epoch; a resumed fit continues at the next batch).
 
+    Retention only ever deletes checkpoints this callback wrote into its own ``dirpath``: a
+    stale entry is removed only when it is a checkpoint directory (with ``meta.json``) directly
+    inside ``dirpath`` (both resolved), never a link, and never the checkpoint the fit resumed
+    from. The kept list a checkpoint carries is taken back on resume only when it was written
+    for the same ``dirpath``; resumed into another directory, this callback starts a new list
+    (what the earlier directory holds stays as it is).
+
     Args:
-        dirpath: where checkpoints go (default ``<default_root_dir>/checkpoints``).
+        dirpath: where checkpoints go (default ``<logger's run directory>/checkpoints``, e.g.
+            ``torchrig_logs/version_3/checkpoints``, so each run has its own; without a logger
+            ``<default_root_dir>/checkpoints``).
         filename: a name pattern with ``{epoch}``, ``{step}`` and logged metrics, e.g.
             ``"{epoch}-{val_loss:.3f}"`` (written as ``epoch=2-val_loss=0.123``).
         monitor: the logged metric that ranks checkpoints (None: the newest are kept).
@@ -95,13 +105,25 @@ class ModelCheckpoint(Callback):
         self.last_model_path = ""
         self._saved: list[str] = []
         self._last_step_saved = -1
+        self._kept_in: str | None = None  # the resolved folder the kept list belongs to
+        self._check_restored = False  # a checkpoint's kept list is to be checked against this run
 
     def resolve_dirpath(self, trainer: Trainer) -> Path:
-        return self.dirpath if self.dirpath is not None else trainer.default_root_dir / "checkpoints"
+        """Where this callback writes: ``dirpath``, else the Trainer's default checkpoint folder."""
+        return self.dirpath if self.dirpath is not None else default_checkpoint_dir(trainer)
 
     # -- when ------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._last_save_time, self._skipped = time.monotonic(), False
+        self._adopt_restored(trainer)
+
+    def _adopt_restored(self, trainer: Trainer) -> None:
+        """Keep a resumed kept list only if it was written for this very folder (resolved)."""
+        if not self._check_restored:
+            return
+        self._check_restored = False
+        if self._kept_in != str(self.resolve_dirpath(trainer).resolve()):
+            self.best_k_models, self._saved, self._kept_in = {}, [], None
 
     @property
     def _idle_events(self) -> tuple[str, ...]:
@@ -142,7 +164,9 @@ class ModelCheckpoint(Callback):
         """Save now (on every rank); returns the path, or None when the score is not in the top k."""
         self._last_step_saved, self._last_save_time, self._skipped = trainer.global_step, time.monotonic(), False
         score = self._score(trainer)
-        path = self.resolve_dirpath(trainer) / self.format_name(trainer)
+        self._adopt_restored(trainer)
+        folder = self.resolve_dirpath(trainer).resolve()
+        path, self._kept_in = folder / self.format_name(trainer), str(folder)
         ranked = self.monitor is not None and self.save_top_k != 0
         keep = ranked and self._in_top_k(score)
         # Rank zero decides, so every rank takes part in the same saves (a save is collective).
@@ -214,8 +238,11 @@ class ModelCheckpoint(Callback):
         keep = set(self.best_k_models) | ({self.last_model_path} if self.save_last else set())
         stale = [p for p in self._saved if p not in keep]
         self._saved = [p for p in self._saved if p in keep]
-        if trainer.is_global_zero:
-            for p in stale:
+        if not trainer.is_global_zero:
+            return
+        folder = self.resolve_dirpath(trainer).resolve()
+        for p in stale:
+            if _removable(Path(p), folder, trainer._resumed_from):
                 shutil.rmtree(p, ignore_errors=True)
 
     # -- resumable -----------------------------------------------------------------------------
@@ -227,6 +254,7 @@ class ModelCheckpoint(Callback):
             "last_model_path": self.last_model_path,
             "saved": list(self._saved),
             "last_step_saved": self._last_step_saved,
+            "dirpath": self._kept_in,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -236,3 +264,44 @@ class ModelCheckpoint(Callback):
         self.last_model_path = state.get("last_model_path", "")
         self._saved = list(state.get("saved", []))
         self._last_step_saved = int(state.get("last_step_saved", -1))
+        # Checked against this run's dirpath when the fit starts (kept only for the same folder).
+        dirpath = state.get("dirpath")
+        self._kept_in, self._check_restored = (dirpath if isinstance(dirpath, str) else None), True
+
+
+def _removable(path: Path, folder: Path, resumed_from: Path | None) -> bool:
+    """Whether retention may delete ``path``: a checkpoint directory (not a link) directly inside
+    this callback's resolved ``folder``, and not the checkpoint the fit resumed from."""
+    if not path.is_absolute() or path.is_symlink() or path.parent != folder or path.name == "last":
+        return False
+    if resumed_from is not None and path.resolve() == resumed_from:
+        return False
+    return path.is_dir() and (path / "meta.json").is_file()
+
+
+def default_checkpoint_dir(trainer: Trainer) -> Path:
+    """The Trainer's default checkpoint folder: ``checkpoints`` in the logger's run directory
+    (``<root>/<name>/version_N/checkpoints``), else ``<default_root_dir>/checkpoints``.
+
+    Worked out once per Trainer; rank zero's logger names the run directory, and every process
+    takes its choice (a save is collective), so every call must come from every process.
+    """
+    found = trainer._checkpoint_dir
+    if found is None:
+        logger = trainer.logger
+        log_dir = logger.log_dir if logger is not None and trainer.is_global_zero else None
+        chosen = trainer.rig.broadcast(None if log_dir is None else str(log_dir))
+        found = (Path(chosen) if chosen is not None else trainer.default_root_dir) / "checkpoints"
+        trainer._checkpoint_dir = found
+    return found
+
+
+def previous_run_last(trainer: Trainer) -> Path | None:
+    """``ckpt_path="last"`` when this run has no ``last`` yet: the ``checkpoints/last`` of the
+    highest-numbered ``version_N`` beside the logger's run directory that has one (None if none)."""
+    run_dir = default_checkpoint_dir(trainer).parent
+    if trainer.logger is None or _VERSION.match(run_dir.name) is None:
+        return None
+    runs = [p for p in run_dir.parent.iterdir() if _VERSION.match(p.name) and (p / "checkpoints" / "last").exists()]
+    newest = max(runs, key=lambda p: int(p.name.removeprefix("version_")), default=None)
+    return None if newest is None else newest / "checkpoints" / "last"

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from torchrig.data import RigDataLoader
 from torchrig.trainer import loops
+from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
 from torchrig.trainer.module import TrainingModule, parse_optimizers
 from torchrig.wrappers import RigModule
 
@@ -47,7 +48,7 @@ def run_fit_stage(
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
         tr._train_loader = _prepare_loader(tr, train, "train_dataloaders")
         tr._eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
-        tr.fit_state, tr.should_stop, tr._resumed = loops.FitState(), False, False
+        tr.fit_state, tr.should_stop, tr._resumed, tr._resumed_from = loops.FitState(), False, False, None
         tr._train_metrics.reset()
         tr._epoch_metrics.clear()
         if ckpt_path is not None:
@@ -214,8 +215,10 @@ def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | None
         return Path(cb.best_model_path)
     if str(ckpt_path) != "last":
         return Path(ckpt_path)
-    folder = cb.resolve_dirpath(tr) if cb is not None else tr.default_root_dir / "checkpoints"
+    folder = cb.resolve_dirpath(tr) if cb is not None else default_checkpoint_dir(tr)
     link = folder / "last"
+    if not link.exists() and (cb is None or cb.dirpath is None):  # the default folder: a new run's
+        link = previous_run_last(tr) or link
     if not link.exists():
         warnings.warn(f"ckpt_path='last': there is no checkpoint at {link} yet; starting from scratch", stacklevel=4)
         return None
@@ -230,6 +233,10 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     state = checkpoint_state(tr)
     left = tr.rig.load(path, state)
     _align_batch_index(tr)
+    tr._resumed_from = path.resolve()
+    fs = tr.fit_state
+    epoch = fs.epoch + 1 if fs.epoch_finished else fs.epoch
+    tr.rig.print(f"torchrig: resumed from {tr._resumed_from}: continues at epoch {epoch}, step {fs.global_step}")
     saved = left.get("callbacks", {})
     for cb in tr.callbacks:
         if cb.state_key in saved:

@@ -155,6 +155,9 @@ class Trainer:
         self._sparse_due = 0.0  # when the sparse batch-end hooks are next called (perf_counter)
         self._stage: str | None = None
         self._resumed = False
+        self._resumed_from: Path | None = None  # the checkpoint this fit resumed from (resolved)
+        self._checkpoint_dir: Path | None = None  # the default checkpoint folder, once chosen
+        self._interrupt_requested = False  # a Ctrl-C asked the fit to stop after the current step
         self._started_at = time.monotonic()
 
     # -- what the run is at --------------------------------------------------------------------
