@@ -193,6 +193,26 @@ class ModelCheckpoint(Callback):
         self._remove_stale(trainer)
         return path
 
+    def save_interrupted(self, trainer: Trainer) -> Path:
+        """Save the state of a fit stopped by Ctrl-C at an optimizer step as ``last`` (every rank).
+
+        Named by ``filename`` (by epoch and step where it uses a metric not logged yet); not
+        ranked. Already saved at this step with ``save_last``: that checkpoint is ``last``.
+        """
+        folder = self.resolve_dirpath(trainer).resolve()
+        if self.save_last and self._last_step_saved == trainer.global_step and self.last_model_path:
+            return Path(self.last_model_path)
+        self._adopt_restored(trainer)
+        try:
+            name = self.format_name(trainer)
+        except ValueError:
+            name = f"epoch={trainer.current_epoch}-step={trainer.global_step}"
+        path, self._kept_in = folder / name, str(folder)
+        self._last_step_saved, self.last_model_path = trainer.global_step, str(path)
+        if str(path) not in self._saved:
+            self._saved.append(str(path))
+        return trainer.save_checkpoint(path, link="last")
+
     def format_name(self, trainer: Trainer) -> str:
         """The directory name for the current epoch, step and metrics."""
         names = [m.group(1) for m in _FIELD.finditer(self.filename)]

@@ -80,6 +80,8 @@ def run_fit(trainer: Trainer) -> None:
     if state.epoch_finished:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
     while not _fit_done(tr):
+        if tr._interrupt_requested:  # a Ctrl-C between epochs: the state is an epoch's end
+            raise KeyboardInterrupt
         run_train_epoch(tr)
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
         if tr.should_stop:
@@ -146,13 +148,23 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
             tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
         if timed and tr._time_is_up():
             tr.should_stop = True
-        # Inside an epoch only max_steps (of _fit_done's limits) and a stop can end the fit.
-        final = is_last or tr.should_stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
+        # Inside an epoch only max_steps (of _fit_done's limits), a stop or a Ctrl-C can end the fit.
+        final = (
+            is_last
+            or tr.should_stop
+            or tr._interrupt_requested
+            or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
+        )
         if sparse and (final or clock() >= due):  # after this batch's validation, if any
             for hook in sparse:
                 hook(tr, module, output, batch, batch_idx)
             due = clock() + interval
         if final:
+            if tr._interrupt_requested:  # stop at an optimizer step, where a checkpoint is exact
+                if state.batch_idx % tr.accumulate_grad_batches and not is_last:
+                    batch_idx += 1
+                    continue
+                raise KeyboardInterrupt
             break
         batch_idx += 1
     tr._sparse_due = due

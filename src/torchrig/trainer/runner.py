@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch.utils.data import DataLoader
@@ -58,7 +62,10 @@ def run_fit_stage(
             for lg in tr.loggers:
                 lg.log_hyperparams(dict(hparams))
         tr._call_callbacks("on_fit_start")
-        loops.run_fit(tr)
+        with _deferred_interrupt(tr):
+            loops.run_fit(tr)
+            if tr._interrupt_requested:  # the Ctrl-C came during the fit's last step: still an interrupt
+                raise KeyboardInterrupt
         tr._call_callbacks("on_fit_end")
         _finalize_loggers(tr, "success")
     except BaseException as exc:
@@ -102,7 +109,6 @@ def run_eval_stage(
         return result
     except BaseException as exc:
         _on_error(tr, exc)
-        return None
     finally:
         _teardown(tr, module, datamodule, stage)
 
@@ -114,7 +120,7 @@ def _begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
             f"Trainer.{stage}() takes a torchrig.TrainingModule, got {type(module).__name__}; "
             "subclass torchrig.TrainingModule (or use torchrig.Rig with a plain nn.Module)"
         )
-    tr.module, tr._stage, tr.interrupted = module, stage, False
+    tr.module, tr._stage, tr.interrupted, tr._interrupt_requested = module, stage, False, False
     tr._refresh_hooks()
     module._trainer = tr
     if tr.seed is not None:
@@ -139,18 +145,56 @@ def _teardown(tr: Trainer, module: TrainingModule, datamodule: DataModule | None
     tr._stage = None
 
 
-def _on_error(tr: Trainer, exc: BaseException) -> None:
-    """Tell the callbacks, close the loggers; a Ctrl-C ends the run quietly, anything else re-raises."""
+def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
+    """Tell the callbacks, close the loggers, re-raise; a Ctrl-C that stopped the fit at an
+    optimizer step (see :func:`_deferred_interrupt`) first saves ``last`` there."""
     interrupted = isinstance(exc, KeyboardInterrupt)
+    saved: Path | None = None
     try:
+        if interrupted:
+            tr.interrupted = tr.should_stop = True
+            cb = tr.checkpoint_callback
+            if tr._interrupt_requested and cb is not None:
+                saved = cb.save_interrupted(tr)
         if tr.module is not None:
             tr._call_callbacks("on_exception", exc)
     finally:
         _finalize_loggers(tr, "interrupted" if interrupted else "failed")
-    if not interrupted:
-        raise exc
-    tr.interrupted = tr.should_stop = True
-    tr.rig.print("torchrig: KeyboardInterrupt: stopped the run; the checkpoints already written are intact")
+        if interrupted:
+            where = f"saved step {tr.global_step} as {saved}" if saved is not None else "saved nothing now"
+            tr.rig.print(f"torchrig: KeyboardInterrupt: stopped the run; {where}")
+    raise exc
+
+
+@contextlib.contextmanager
+def _deferred_interrupt(tr: Trainer) -> Iterator[None]:
+    """A first Ctrl-C (SIGINT) stops the fit at the next optimizer step instead of wherever it
+    lands (mid-step, the weights and the data position would disagree), so that the checkpoint
+    ``last`` is exact; a second Ctrl-C interrupts at once, as usual.
+
+    Only in one process, from the main thread and where Python's own handler is in place: with
+    several processes a save needs every rank at the same step, which a Ctrl-C (delivered to each
+    process at its own moment) does not give, so there ``KeyboardInterrupt`` stops the run at once
+    and nothing is saved beyond the checkpoints already written.
+    """
+    if (
+        tr.rig.world_size != 1
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+
+    def stop_at_next_step(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        tr._interrupt_requested = True
+        os.write(2, b"\ntorchrig: Ctrl-C: stopping after this step to save it; Ctrl-C again stops at once\n")
+
+    signal.signal(signal.SIGINT, stop_at_next_step)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _finalize_loggers(tr: Trainer, status: str) -> None:

@@ -1,0 +1,76 @@
+"""Ctrl-C during ``Trainer.fit`` (issue 15, item 14): the fit stops at the next optimizer step,
+saves ``last`` there, and raises ``KeyboardInterrupt`` (the script exits non-zero); resuming
+from that checkpoint ends with the weights of a run that was never interrupted."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import subprocess_env
+
+SCRIPT = r"""
+import os, signal, sys
+import torch
+import torchrig
+from trainer_helpers import Regressor, loader
+
+root, interrupt = sys.argv[1], sys.argv[2] == "1"
+
+
+class CtrlC(torchrig.Callback):
+    # Epoch 1, third batch: between the two micro-batches of step 5 (accumulating 2 batches).
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if interrupt and (trainer.current_epoch, batch_idx) == (1, 2):
+            os.kill(os.getpid(), signal.SIGINT)  # what a Ctrl-C in the terminal sends
+
+
+torch.manual_seed(0)
+module = Regressor(dropout=0.25)  # dropout: the RNG stream must continue exactly too
+trainer = torchrig.Trainer(  # the Trainer's default checkpointing: no save between epochs here
+    accelerator="cpu", devices=1, max_epochs=3, seed=123, accumulate_grad_batches=2,
+    enable_progress_bar=False, logger=False, default_root_dir=root, callbacks=[CtrlC()],
+)
+trainer.fit(module, loader(24, batch_size=4, shuffle=True), loader(8), ckpt_path="last")
+torch.save(module.state_dict(), os.path.join(root, "final.pt"))
+print("done at step", trainer.global_step)
+"""
+
+
+def _run(tmp: Path, root: str, interrupt: bool) -> subprocess.CompletedProcess[str]:
+    script = tmp / "train.py"
+    script.write_text(SCRIPT)
+    return subprocess.run(
+        [sys.executable, str(script), str(tmp / root), "1" if interrupt else "0"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_saves_last_at_the_next_step_exits_non_zero_and_resumes_exactly(tmp_path: Path) -> None:
+    clean = _run(tmp_path, "clean", interrupt=False)
+    assert clean.returncode == 0, clean.stderr
+    assert "done at step 9" in clean.stdout  # 3 epochs of 6 batches, a step every 2
+    stopped = _run(tmp_path, "stopped", interrupt=True)
+    assert stopped.returncode in (130, -signal.SIGINT), stopped.stderr
+    assert "KeyboardInterrupt" in stopped.stderr and "done at step" not in stopped.stdout
+    assert "torchrig: Ctrl-C: stopping after this step to save it" in stopped.stderr
+    # Not after the micro-batch the Ctrl-C came in, but at the optimizer step after it.
+    last = (tmp_path / "stopped" / "checkpoints" / "last").resolve()
+    assert last.name == "epoch=1-step=5"
+    assert f"KeyboardInterrupt: stopped the run; saved step 5 as {last}" in stopped.stdout
+    resumed = _run(tmp_path, "stopped", interrupt=False)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"torchrig: resumed from {last}: continues at epoch 1, step 5" in resumed.stdout
+    assert "done at step 9" in resumed.stdout
+    a = torch.load(tmp_path / "clean" / "final.pt")
+    b = torch.load(tmp_path / "stopped" / "final.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
