@@ -16,11 +16,11 @@ from torchrig.demo.data import DigitsDataModule
 from torchrig.demo.model import DigitsCNN
 from torchrig.demo.plot import plot_learning_curves
 from torchrig.trainer import Callback, ModelCheckpoint, Trainer, TrainingModule
+from torchrig.trainer.checkpointing import CHECKPOINTS, newest_run_with_last
 from torchrig.trainer.loggers import CSVLogger, next_version_dir
 
 #: Runs live in ``<root_dir>/<RUN_NAME>/version_N``.
 RUN_NAME = "digits"
-CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,7 @@ class _FirstEpoch(Callback):
 
 def latest_run(root_dir: str | os.PathLike[str]) -> Path | None:
     """The newest ``version_N`` under ``root_dir/digits`` that has a ``last`` checkpoint, or None."""
-    parent = Path(root_dir) / RUN_NAME
-    runs = [p for p in parent.glob("version_*") if p.name.removeprefix("version_").isdigit()]
-    runs = [p for p in runs if (p / CHECKPOINTS / "last").exists()]
-    return max(runs, key=lambda p: int(p.name.removeprefix("version_")), default=None)
+    return newest_run_with_last(Path(root_dir) / RUN_NAME)
 
 
 def _choose_run_dir(root_dir: Path, resume: bool) -> Path:
@@ -173,9 +170,7 @@ def run_demo(
     with _cpu_threads(trainer):
         fit_start = time.perf_counter()
         trainer.fit(model, datamodule=data, ckpt_path=(run_dir / CHECKPOINTS / "last") if resume else None)
-        fit_seconds = time.perf_counter() - fit_start
-        if trainer.interrupted:
-            return None
+        fit_seconds = time.perf_counter() - fit_start  # a Ctrl-C raised out of fit (last saved)
         results = trainer.test(model, datamodule=data)
     if not trainer.is_global_zero:
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 import time
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 _VERSION = re.compile(r"^version_\d+$")
+#: The folder of a run's checkpoints inside its run directory (``<root>/<name>/version_N``).
+CHECKPOINTS = "checkpoints"
 
 
 class ModelCheckpoint(Callback):
@@ -311,7 +314,7 @@ def default_checkpoint_dir(trainer: Trainer) -> Path:
         logger = trainer.logger
         log_dir = logger.log_dir if logger is not None and trainer.is_global_zero else None
         chosen = trainer.rig.broadcast(None if log_dir is None else str(log_dir))
-        found = (Path(chosen) if chosen is not None else trainer.default_root_dir) / "checkpoints"
+        found = (Path(chosen) if chosen is not None else trainer.default_root_dir) / CHECKPOINTS
         trainer._checkpoint_dir = found
     return found
 
@@ -322,6 +325,14 @@ def previous_run_last(trainer: Trainer) -> Path | None:
     run_dir = default_checkpoint_dir(trainer).parent
     if trainer.logger is None or _VERSION.match(run_dir.name) is None:
         return None
-    runs = [p for p in run_dir.parent.iterdir() if _VERSION.match(p.name) and (p / "checkpoints" / "last").exists()]
-    newest = max(runs, key=lambda p: int(p.name.removeprefix("version_")), default=None)
-    return None if newest is None else newest / "checkpoints" / "last"
+    newest = newest_run_with_last(run_dir.parent)
+    return None if newest is None else newest / CHECKPOINTS / "last"
+
+
+def newest_run_with_last(parent: str | os.PathLike[str]) -> Path | None:
+    """The highest-numbered ``parent/version_N`` with a ``checkpoints/last``, or None."""
+    folder = Path(parent)
+    if not folder.is_dir():
+        return None
+    runs = [p for p in folder.iterdir() if _VERSION.match(p.name) and (p / CHECKPOINTS / "last").exists()]
+    return max(runs, key=lambda p: int(p.name.removeprefix("version_")), default=None)
