@@ -68,7 +68,9 @@ def test_ctrl_c_saves_last_at_the_next_step_exits_non_zero_and_resumes_exactly(t
     assert f"KeyboardInterrupt: stopped the run; saved step 5 as {last}" in stopped.stdout
     resumed = _run(tmp_path, "stopped", interrupt=False)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"torchrig: resumed from {last}: continues at epoch 1, step 5" in resumed.stdout
+    link = tmp_path / "stopped" / "checkpoints" / "last"
+    said = f"torchrig: resumed from {link} -> {last.name}: continues in epoch 2 after 4 batches, step 5"
+    assert said in resumed.stdout
     assert "done at step 9" in resumed.stdout
     a = torch.load(tmp_path / "clean" / "final.pt")
     b = torch.load(tmp_path / "stopped" / "final.pt")

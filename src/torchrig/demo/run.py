@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from torchrig.checkpoint.files import read_meta, resolve_checkpoint
 from torchrig.demo.data import DigitsDataModule
 from torchrig.demo.model import DigitsCNN
 from torchrig.demo.plot import plot_learning_curves
@@ -44,14 +45,27 @@ class DemoResult:
 
 
 class _FirstEpoch(Callback):
-    """Remembers the first epoch this fit trains (later than 0 when it resumed); None if none."""
+    """Remembers the first epoch this fit trains (later than 0 when it resumed); None if none.
 
-    def __init__(self) -> None:
+    In a resumed run it also says where the run continues and at which learning rate (the
+    module's hook has set it for this epoch and the new horizon).
+    """
+
+    def __init__(self, resumed: bool = False) -> None:
         self.epoch: int | None = None
+        self.resumed = resumed
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
-        if self.epoch is None:
-            self.epoch = trainer.current_epoch
+        if self.epoch is not None:
+            return
+        self.epoch = trainer.current_epoch
+        if self.resumed:
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            horizon = f"of {trainer.max_epochs} " if trainer.max_epochs > 0 else ""
+            trainer.rig.print(
+                f"torchrig demo: resumed after {self.epoch} epoch{'' if self.epoch == 1 else 's'} "
+                f"(step {trainer.global_step}); epoch {self.epoch + 1} {horizon}starts at learning rate {lr:.3g}"
+            )
 
 
 def latest_run(root_dir: str | os.PathLike[str]) -> Path | None:
@@ -86,6 +100,30 @@ def _attach_run_dir(trainer: Trainer, root_dir: Path, resume: bool) -> Path:
     trainer.loggers.append(logger)
     trainer.callbacks.append(ModelCheckpoint(dirpath=run_dir / CHECKPOINTS, save_last=True))
     return run_dir
+
+
+#: The settings a checkpoint's meta.json records that a resumed demo run compares with its own.
+_RESUMED_SETTINGS = (("precision", "precision"), ("device_type", "device"), ("world_size", "processes"))
+
+
+def _saved_settings(root_dir: Path) -> dict[str, Any]:
+    """What the newest run's ``last`` checkpoint was saved with (its meta.json); {} if no run."""
+    previous = latest_run(root_dir)
+    if previous is None:
+        return {}  # _choose_run_dir says what is missing
+    meta = read_meta(resolve_checkpoint(previous / CHECKPOINTS / "last"))
+    return {key: meta.get(key) for key, _ in _RESUMED_SETTINGS}
+
+
+def _settings_changed(saved: dict[str, Any], trainer: Trainer) -> list[str]:
+    """The settings of this run that differ from those the resumed checkpoint was saved with."""
+    now = {"precision": trainer.rig.precision.name, "device_type": trainer.rig.device.type}
+    now["world_size"] = trainer.rig.world_size
+    return [
+        f"{name} {now[key]} (the checkpoint was saved with {saved[key]})"
+        for key, name in _RESUMED_SETTINGS
+        if saved.get(key) is not None and saved[key] != now[key]
+    ]
 
 
 def device_description(device: torch.device) -> str:
@@ -148,12 +186,16 @@ def run_demo(
     """
     started = time.perf_counter() if started is None else started
     root = Path(root_dir)
+    saved = _saved_settings(root) if resume else {}
+    if precision == "auto" and saved.get("precision"):  # a resumed run keeps its precision unless told
+        precision = saved["precision"]
     trainer = Trainer(
         accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         precision=precision,
         max_epochs=max_epochs,
+        log_every_n_steps=10,  # an epoch is 20 steps on one process: the curves get step rows too
         default_root_dir=root,
         logger=False,  # attached below, once every process agrees on the run directory
         enable_checkpointing=False,
@@ -161,12 +203,15 @@ def run_demo(
     )
     spawned = trainer.rig.strategy.needs_launch  # callbacks then run in the workers, not here
     run_dir = _attach_run_dir(trainer, root, resume)
-    first_epoch = _FirstEpoch()
+    first_epoch = _FirstEpoch(resumed=resume)
     trainer.callbacks.insert(0, first_epoch)
     trainer.rig.seed_everything(seed)  # before the model exists: its initial weights come from the seed
     data, model = DigitsDataModule(), DigitsCNN()
     if trainer.is_global_zero:
         _announce(model, data, run_dir)
+        changed = _settings_changed(saved, trainer)
+        if changed:
+            print(f"torchrig demo: --resume continues with {'; '.join(changed)}")
     with _cpu_threads(trainer):
         fit_start = time.perf_counter()
         trainer.fit(model, datamodule=data, ckpt_path=(run_dir / CHECKPOINTS / "last") if resume else None)

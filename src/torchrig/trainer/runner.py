@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -51,6 +52,7 @@ def run_fit_stage(
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
         tr._train_loader = _prepare_loader(tr, train, "train_dataloaders")
+        _warn_if_steps_are_not_logged(tr)
         tr._eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
         tr.fit_state, tr.should_stop, tr._resumed, tr._resumed_from = loops.FitState(), False, False, None
         tr._train_metrics.reset()
@@ -202,6 +204,24 @@ def _finalize_loggers(tr: Trainer, status: str) -> None:
         lg.finalize(status)
 
 
+def _warn_if_steps_are_not_logged(tr: Trainer) -> None:
+    """Warn when the whole fit has fewer optimizer steps than ``log_every_n_steps``: no value
+    logged per step would reach the loggers."""
+    n = tr.num_training_batches
+    if not tr.loggers or not tr.is_global_zero or n == 0 or math.isinf(n) or tr.max_epochs == -1:
+        return
+    steps = math.ceil(n / tr.accumulate_grad_batches) * tr.max_epochs
+    if tr.max_steps != -1:
+        steps = min(steps, tr.max_steps)
+    if steps < tr.log_every_n_steps:
+        warnings.warn(
+            f"this fit has {steps} optimizer steps, fewer than Trainer(log_every_n_steps={tr.log_every_n_steps}): "
+            f"no value logged per step reaches the loggers; set log_every_n_steps={steps} or lower, "
+            "or log with on_epoch=True",
+            stacklevel=2,
+        )
+
+
 # -- preparing ----------------------------------------------------------------------------------
 def _prepare_module(tr: Trainer, module: TrainingModule) -> RigModule:
     if tr._prepared_module is None or tr._prepared_module.module is not module:
@@ -279,8 +299,11 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     _align_batch_index(tr)
     tr._resumed_from = path.resolve()
     fs = tr.fit_state
-    epoch = fs.epoch + 1 if fs.epoch_finished else fs.epoch
-    tr.rig.print(f"torchrig: resumed from {tr._resumed_from}: continues at epoch {epoch}, step {fs.global_step}")
+    shown = f"{path} -> {tr._resumed_from.name}" if path.is_symlink() else str(tr._resumed_from)
+    epoch = fs.epoch + 2 if fs.epoch_finished else fs.epoch + 1  # counted from 1, as the progress bar does
+    mid = fs.batch_idx and not fs.epoch_finished
+    where = f"in epoch {epoch} after {fs.batch_idx} batches" if mid else f"with epoch {epoch}"
+    tr.rig.print(f"torchrig: resumed from {shown}: continues {where}, step {fs.global_step}")
     saved = left.get("callbacks", {})
     for cb in tr.callbacks:
         if cb.state_key in saved:

@@ -1,0 +1,86 @@
+"""Where a Trainer writes by default, and what ``ckpt_path="last"`` finds (issue 15, item 9).
+
+Each run's checkpoints go into its logger's run directory (``torchrig_logs/version_N/checkpoints``),
+so runs never share a ``last``; a new run asked for ``"last"`` continues the newest earlier run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from trainer_helpers import Regressor, loader
+
+import torchrig
+from torchrig.trainer.loggers import read_metrics
+
+
+def _trainer(root: Path, **kwargs: Any) -> torchrig.Trainer:
+    """The Trainer's defaults (CSV logger, default checkpointing) on the CPU, without the bar."""
+    return torchrig.Trainer(
+        accelerator="cpu", devices=1, enable_progress_bar=False, default_root_dir=root, **kwargs
+    )
+
+
+def _last(root: Path, version: int) -> Path:
+    return root / "torchrig_logs" / f"version_{version}" / "checkpoints" / "last"
+
+
+@pytest.mark.timeout(30)
+def test_each_run_checkpoints_into_its_own_version_directory(tmp_path: Path) -> None:
+    first = _trainer(tmp_path, max_epochs=2, log_every_n_steps=1)
+    first.fit(Regressor(), loader(8))
+    second = _trainer(tmp_path, max_epochs=1, log_every_n_steps=1)
+    second.fit(Regressor(), loader(8))
+    assert _last(tmp_path, 0).resolve().name == "epoch=2-step=4"  # not moved by the second run
+    assert _last(tmp_path, 1).resolve().name == "epoch=1-step=2"
+    assert not (tmp_path / "checkpoints").exists()
+    assert first.checkpoint_callback is not None
+    assert first.checkpoint_callback.last_model_path == str(_last(tmp_path, 0).resolve())
+    assert len(read_metrics(tmp_path / "torchrig_logs" / "version_0")) > 0
+
+
+@pytest.mark.timeout(30)
+def test_last_continues_the_newest_earlier_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _trainer(tmp_path, max_epochs=3, log_every_n_steps=1).fit(Regressor(), loader(8))  # version_0: 6 steps
+    _trainer(tmp_path, max_epochs=1, log_every_n_steps=1).fit(Regressor(), loader(8))  # version_1: 2 steps
+    capsys.readouterr()
+    third = _trainer(tmp_path, max_epochs=2, log_every_n_steps=1)
+    third.fit(Regressor(), loader(8), ckpt_path="last")
+    # version_1 is the newest run with a `last` (version_2, this run's own folder, has none yet).
+    said = f"torchrig: resumed from {_last(tmp_path, 1)} -> epoch=1-step=2: continues with epoch 2, step 2"
+    assert said in capsys.readouterr().out
+    assert (third.current_epoch, third.global_step) == (2, 4)
+    assert _last(tmp_path, 2).resolve().name == "epoch=2-step=4"
+    assert _last(tmp_path, 1).resolve().name == "epoch=1-step=2"  # the run resumed from is as it was
+    # With a `last` of its own (the same Trainer fitting again), a run continues that one.
+    third.fit(Regressor(), loader(8), ckpt_path="last")
+    assert f"resumed from {_last(tmp_path, 2)} -> epoch=2-step=4" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+def test_last_with_no_earlier_run_warns_and_starts_fresh(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, max_epochs=1, log_every_n_steps=1)
+    with pytest.warns(UserWarning, match=r"ckpt_path='last': there is no checkpoint at .*version_0.checkpoints.last"):
+        trainer.fit(Regressor(), loader(8), ckpt_path="last")
+    assert trainer.global_step == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_fit_shorter_than_log_every_n_steps_warns(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, max_epochs=4, accumulate_grad_batches=2)  # log_every_n_steps=50
+    with pytest.warns(UserWarning) as got:
+        trainer.fit(Regressor(), loader(24))  # 6 batches: 3 optimizer steps an epoch, 12 in all
+    messages = [str(w.message) for w in got if "log_every_n_steps" in str(w.message)]
+    assert messages == [
+        "this fit has 12 optimizer steps, fewer than Trainer(log_every_n_steps=50): no value logged per step "
+        "reaches the loggers; set log_every_n_steps=12 or lower, or log with on_epoch=True"
+    ]
+    assert not (tmp_path / "torchrig_logs" / "version_0" / "metrics.csv").exists()  # nothing was logged
+    quiet: list[dict[str, Any]] = [{"log_every_n_steps": 12}, {"logger": False}, {"max_epochs": 17}]
+    for kwargs in quiet:  # 12 steps log once; nothing to log to; 51 steps log once
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _trainer(tmp_path, **{"max_epochs": 4, "accumulate_grad_batches": 2, **kwargs}).fit(Regressor(), loader(24))
