@@ -54,8 +54,10 @@ class Trainer:
         num_sanity_val_steps: validation batches run before training to catch bugs early (-1: all).
         callbacks: :class:`Callback` objects, called in order.
         logger: a :class:`Logger`, a list of them, True (a ``CSVLogger`` under ``default_root_dir``) or False.
-        log_every_n_steps: send ``on_step`` values to the logger every this many optimizer steps.
-        default_root_dir: where logs and checkpoints go (default: the working directory).
+        log_every_n_steps: send ``on_step`` values to the logger every this many optimizer steps (a fit
+            with fewer steps in all warns).
+        default_root_dir: where logs and checkpoints go (default: the working directory); each run's
+            checkpoints go into its logger's ``version_N/checkpoints`` (without a logger, ``checkpoints``).
         enable_progress_bar: add the rich progress bar.
         enable_checkpointing: add a :class:`ModelCheckpoint` unless one is given: it saves at epoch ends, at
             most once a minute, and at the end of the fit, with the ``last`` link (``ckpt_path="last"``).
@@ -244,7 +246,12 @@ class Trainer:
         datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> None:
-        """Train ``module``; ``ckpt_path`` (a checkpoint directory, ``"last"`` or ``"best"``) resumes exactly."""
+        """Train ``module``; ``ckpt_path`` (a checkpoint directory, ``"last"`` or ``"best"``) resumes exactly.
+
+        ``"last"``: the checkpoint callback's ``last``, else (default folder) the newest earlier run's,
+        see docs/trainer.md. Ctrl-C saves ``last`` at the next optimizer step (one process), then
+        raises ``KeyboardInterrupt``.
+        """
         from torchrig.trainer.runner import run_fit_stage
 
         self._launch(run_fit_stage, module, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
