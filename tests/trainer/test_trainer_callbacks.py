@@ -200,7 +200,9 @@ def test_default_checkpoint_is_rate_limited_and_saves_the_end(tmp_path: Path) ->
     trainer = quiet_trainer(tmp_path, max_epochs=3, enable_checkpointing=True)
     trainer.fit(Regressor(), loader(8))  # 3 short epochs: well under a minute
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["epoch=3-step=6", "last"]  # only the state at the end of the fit
+    # Only the state at the end of the fit, named like the save at the end of epoch index 2 below
+    # (epoch = the 0-based index of the last epoch trained), not by the 3 epochs counted after it.
+    assert names == ["epoch=2-step=6", "last"]
     every = torchrig.ModelCheckpoint(dirpath=tmp_path / "every", save_top_k=-1, train_time_interval=0)
     quiet_trainer(tmp_path, max_epochs=3, enable_checkpointing=True, callbacks=[every]).fit(Regressor(), loader(8))
     assert sorted(p.name for p in (tmp_path / "every").iterdir()) == [

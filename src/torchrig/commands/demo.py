@@ -37,14 +37,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--precision",
         default="auto",
-        help="auto (bf16-mixed where the device has bf16, else 32-true), 32-true, "
-        "bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true",
+        help="auto (bf16-mixed where the device has bf16, else 32-true; with --resume, the checkpoint's), "
+        "32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true",
     )
     p.add_argument("--max-epochs", type=int, default=DEFAULT_EPOCHS, help=f"epochs to train (default {DEFAULT_EPOCHS})")
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the newest run under --root-dir from its last checkpoint (raise --max-epochs to train longer)",
+        help="continue the newest run under --root-dir from its last checkpoint, in its precision (raise "
+        "--max-epochs to train longer: the learning-rate cosine is re-planned over the new --max-epochs)",
     )
     p.add_argument("--root-dir", default=DEFAULT_ROOT, help=f"where runs are written (default {DEFAULT_ROOT})")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the shuffling (default 0)")

@@ -15,8 +15,11 @@ from torchrig.trainer.module import TrainingModule
 class DigitsCNN(TrainingModule):
     """Three 3x3 convolutions with batch norm, one 2x2 pooling, global average pooling, a linear head.
 
-    Trained with AdamW and a cosine learning-rate decay over ``trainer.max_epochs`` (read when
-    the rate is computed, so a resumed run with a larger ``--max-epochs`` decays to the new end).
+    Trained with AdamW and a cosine learning-rate decay over ``trainer.max_epochs``. The rate
+    is a function of (epoch, max_epochs), set at the start of every epoch (and when a fit
+    starts, for a run resumed mid-epoch), never carried over from a checkpoint: a run resumed
+    with a larger ``--max-epochs`` continues the cosine re-planned over the new horizon from the
+    epoch it is at. With no horizon (``max_epochs=-1``) the rate stays at its peak.
     Logs ``train_loss`` (per step and per epoch, in the progress bar), ``train_acc``,
     ``val_loss``, ``val_acc``, ``test_loss`` and ``test_acc``. Accuracies are computed on the
     device and reduced when read: no host sync per step.
@@ -81,22 +84,34 @@ class DigitsCNN(TrainingModule):
         self.log("test_loss", loss, batch_size=n, sync_dist=True)
         self.log("test_acc", accuracy, batch_size=n, sync_dist=True)
 
-    def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        # A closure (not a bound method) so LambdaLR keeps it out of the checkpoint.
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: cosine_factor(epoch, self._epochs()))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # No LR scheduler: the rate is set from the epoch and the horizon in the hooks below.
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
-    def _epochs(self) -> int:
-        epochs = getattr(self.trainer, "max_epochs", None)
-        return int(epochs) if epochs and epochs > 0 else 1
+    def on_train_start(self) -> None:
+        self._set_learning_rate()  # a fit resumed mid-epoch starts without on_train_epoch_start
+
+    def on_train_epoch_start(self) -> None:
+        self._set_learning_rate()
+
+    def _set_learning_rate(self) -> None:
+        trainer = self.trainer
+        rate = self.lr * cosine_factor(trainer.current_epoch, trainer.max_epochs)
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = rate
 
 
-def cosine_factor(epoch: int, total: int) -> float:
+def cosine_factor(epoch: int, total: int | None) -> float:
     """The share of the peak learning rate at ``epoch`` of ``total``: 1 at 0, near 0 at the end.
 
+    The cosine is planned over ``total`` epochs as they are now: ask again with a new total and
+    the answer is the same curve stretched to it. ``total`` of -1 or None (no end): always 1.
+
     Example:
-        >>> cosine_factor(0, 10), round(cosine_factor(5, 10), 2)
-        (1.0, 0.5)
+        >>> cosine_factor(0, 10), round(cosine_factor(5, 10), 2), cosine_factor(7, -1)
+        (1.0, 0.5, 1.0)
     """
+    if total is None or total < 0:
+        return 1.0
     return 0.5 * (1.0 + math.cos(math.pi * min(epoch, total) / max(total, 1)))

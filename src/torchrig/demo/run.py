@@ -117,8 +117,9 @@ def _saved_settings(root_dir: Path) -> dict[str, Any]:
 
 def _settings_changed(saved: dict[str, Any], trainer: Trainer) -> list[str]:
     """The settings of this run that differ from those the resumed checkpoint was saved with."""
-    now = {"precision": trainer.rig.precision.name, "device_type": trainer.rig.device.type}
-    now["world_size"] = trainer.rig.world_size
+    rig = trainer.rig
+    now: dict[str, Any] = {"precision": rig.precision.name, "device_type": rig.device.type}
+    now["world_size"] = rig.world_size
     return [
         f"{name} {now[key]} (the checkpoint was saved with {saved[key]})"
         for key, name in _RESUMED_SETTINGS

@@ -41,7 +41,9 @@ class ModelCheckpoint(Callback):
             ``torchrig_logs/version_3/checkpoints``, so each run has its own; without a logger
             ``<default_root_dir>/checkpoints``).
         filename: a name pattern with ``{epoch}``, ``{step}`` and logged metrics, e.g.
-            ``"{epoch}-{val_loss:.3f}"`` (written as ``epoch=2-val_loss=0.123``).
+            ``"{epoch}-{val_loss:.3f}"`` (written as ``epoch=2-val_loss=0.123``). ``epoch`` is
+            the 0-based index of the last epoch the saved state trained in (see
+            :func:`checkpoint_epoch`): ``epoch=9`` after 10 epochs, as in Lightning.
         monitor: the logged metric that ranks checkpoints (None: the newest are kept).
         mode: ``"min"`` or ``"max"``: which ``monitor`` values are better.
         save_top_k: how many checkpoints to keep (``-1``: all; ``0``: none but ``last``).
@@ -209,7 +211,7 @@ class ModelCheckpoint(Callback):
         try:
             name = self.format_name(trainer)
         except ValueError:
-            name = f"epoch={trainer.current_epoch}-step={trainer.global_step}"
+            name = f"epoch={checkpoint_epoch(trainer)}-step={trainer.global_step}"
         path, self._kept_in = folder / name, str(folder)
         self._last_step_saved, self.last_model_path = trainer.global_step, str(path)
         if str(path) not in self._saved:
@@ -220,7 +222,7 @@ class ModelCheckpoint(Callback):
         """The directory name for the current epoch, step and metrics."""
         names = [m.group(1) for m in _FIELD.finditer(self.filename)]
         metrics = trainer.callback_metrics
-        values: dict[str, Any] = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+        values: dict[str, Any] = {"epoch": checkpoint_epoch(trainer), "step": trainer.global_step}
         wanted = {n: metrics[n] for n in names if n in metrics and n not in values}
         values.update(to_floats(wanted))
         missing = [n for n in names if n not in values]
@@ -290,6 +292,15 @@ class ModelCheckpoint(Callback):
         # Checked against this run's dirpath when the fit starts (kept only for the same folder).
         dirpath = state.get("dirpath")
         self._kept_in, self._check_restored = (dirpath if isinstance(dirpath, str) else None), True
+
+
+def checkpoint_epoch(trainer: Trainer) -> int:
+    """The ``epoch`` of a checkpoint's name: the 0-based index of the last epoch its state trained
+    in, whenever it is saved: at that epoch's end (``epoch=9`` after 10 epochs), inside it, or
+    after the fit or between epochs (when ``current_epoch`` already counts the finished ones)."""
+    state = trainer.fit_state
+    between_epochs = state.batch_idx == 0 and not state.epoch_finished and not state.val_pending
+    return state.epoch - 1 if between_epochs and state.epoch > 0 else state.epoch
 
 
 def _removable(path: Path, folder: Path, resumed_from: Path | None) -> bool:
