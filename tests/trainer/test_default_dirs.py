@@ -6,12 +6,14 @@ so runs never share a ``last``; a new run asked for ``"last"`` continues the new
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_helpers import Regressor, loader
+from trainer_helpers import Regressor, loader, subprocess_env
 
 import torchrig
 from torchrig.trainer.loggers import read_metrics
@@ -85,3 +87,39 @@ def test_a_fit_shorter_than_log_every_n_steps_warns(tmp_path: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             _trainer(tmp_path, **{"max_epochs": 4, "accumulate_grad_batches": 2, **kwargs}).fit(Regressor(), loader(24))
+
+
+DDP_SCRIPT = r"""
+import sys
+import torchrig
+from trainer_helpers import Regressor, loader, subprocess_env
+
+trainer = torchrig.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp", max_epochs=int(sys.argv[2]), enable_progress_bar=False,
+    default_root_dir=sys.argv[1], log_every_n_steps=1,
+)
+trainer.fit(Regressor(), loader(16), ckpt_path="last")
+print("rank", trainer.rig.global_rank, "dir", trainer.checkpoint_callback.resolve_dirpath(trainer), "step",
+      trainer.global_step)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_two_processes_agree_on_the_run_folder_and_resume_the_newest_run(tmp_path: Path) -> None:
+    # Only rank zero's logger picks version_N; the other rank takes its choice (no stray folder).
+    script = tmp_path / "run.py"
+    script.write_text(DDP_SCRIPT)
+    root = tmp_path / "root"
+    for epochs in (1, 2):
+        done = subprocess.run(
+            [sys.executable, str(script), str(root), str(epochs)],
+            env=subprocess_env(), capture_output=True, text=True, timeout=100,
+        )
+        assert done.returncode == 0, done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    checkpoints = root / "torchrig_logs" / "version_1" / "checkpoints"
+    assert lines == [f"rank {r} dir {checkpoints} step 4" for r in (0, 1)]  # 2 steps an epoch on 2 processes
+    assert f"torchrig: resumed from {_last(root, 0)} -> " in done.stdout
+    assert sorted(p.name for p in (root / "torchrig_logs").iterdir()) == ["version_0", "version_1"]
+    assert _last(root, 1).resolve().name.endswith("-step=4")
