@@ -4,14 +4,18 @@ from that checkpoint ends with the weights of a run that was never interrupted."
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import subprocess_env
+from trainer_helpers import Regressor, loader, quiet_trainer, subprocess_env
+
+import torchrig
 
 SCRIPT = r"""
 import os, signal, sys
@@ -76,3 +80,48 @@ def test_ctrl_c_saves_last_at_the_next_step_exits_non_zero_and_resumes_exactly(t
     b = torch.load(tmp_path / "stopped" / "final.pt")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
+
+
+class CtrlC(torchrig.Callback):
+    """Sends this process ``times`` SIGINTs after the optimizer step ``at_step``."""
+
+    def __init__(self, at_step: int, times: int) -> None:
+        self.at_step, self.times = at_step, times
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.at_step:
+            self.at_step = -1
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_in_process_saves_that_step_and_a_second_one_stops_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    once = quiet_trainer(tmp_path / "once", max_epochs=2, enable_checkpointing=True, callbacks=[CtrlC(3, 1)])
+    with pytest.raises(KeyboardInterrupt):
+        once.fit(Regressor(), loader(40))
+    last = (tmp_path / "once" / "checkpoints" / "last").resolve()
+    assert last.name == "epoch=0-step=3" and once.interrupted and once.global_step == 3
+    assert f"KeyboardInterrupt: stopped the run; saved step 3 as {last}" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back after the fit
+    # The second Ctrl-C raises where it lands (here, inside the callback): nothing is saved.
+    twice = quiet_trainer(tmp_path / "twice", max_epochs=2, enable_checkpointing=True, callbacks=[CtrlC(3, 2)])
+    with pytest.raises(KeyboardInterrupt):
+        twice.fit(Regressor(), loader(40))
+    assert "KeyboardInterrupt: stopped the run; saved nothing now" in capsys.readouterr().out
+    assert not (tmp_path / "twice" / "checkpoints").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class InterruptedValidation(Regressor):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.timeout(30)
+def test_a_keyboard_interrupt_in_validate_is_raised(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        quiet_trainer(tmp_path).validate(InterruptedValidation(), loader(8))
+    assert "KeyboardInterrupt: stopped the run; saved nothing now" in capsys.readouterr().out

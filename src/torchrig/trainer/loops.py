@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 
@@ -81,12 +81,19 @@ def run_fit(trainer: Trainer) -> None:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
     while not _fit_done(tr):
         if tr._interrupt_requested:  # a Ctrl-C between epochs: the state is an epoch's end
-            raise KeyboardInterrupt
+            stop_at_step(tr)
         run_train_epoch(tr)
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
         if tr.should_stop:
             break
     tr._call_module("on_train_end")
+
+
+def stop_at_step(tr: Trainer) -> NoReturn:
+    """End a fit that a Ctrl-C asked to stop, now that it is at an optimizer step (the state a
+    checkpoint saves exactly): the Trainer saves ``last``, then the ``KeyboardInterrupt`` goes on."""
+    tr._interrupt_at_step = True
+    raise KeyboardInterrupt
 
 
 def _fit_done(tr: Trainer) -> bool:
@@ -164,7 +171,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
                 if state.batch_idx % tr.accumulate_grad_batches and not is_last:
                     batch_idx += 1
                     continue
-                raise KeyboardInterrupt
+                stop_at_step(tr)
             break
         batch_idx += 1
     tr._sparse_due = due

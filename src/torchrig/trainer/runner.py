@@ -67,7 +67,7 @@ def run_fit_stage(
         with _deferred_interrupt(tr):
             loops.run_fit(tr)
             if tr._interrupt_requested:  # the Ctrl-C came during the fit's last step: still an interrupt
-                raise KeyboardInterrupt
+                loops.stop_at_step(tr)
         tr._call_callbacks("on_fit_end")
         _finalize_loggers(tr, "success")
     except BaseException as exc:
@@ -122,7 +122,8 @@ def _begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
             f"Trainer.{stage}() takes a torchrig.TrainingModule, got {type(module).__name__}; "
             "subclass torchrig.TrainingModule (or use torchrig.Rig with a plain nn.Module)"
         )
-    tr.module, tr._stage, tr.interrupted, tr._interrupt_requested = module, stage, False, False
+    tr.module, tr._stage, tr.interrupted = module, stage, False
+    tr._interrupt_requested = tr._interrupt_at_step = False
     tr._refresh_hooks()
     module._trainer = tr
     if tr.seed is not None:
@@ -156,7 +157,7 @@ def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
         if interrupted:
             tr.interrupted = tr.should_stop = True
             cb = tr.checkpoint_callback
-            if tr._interrupt_requested and cb is not None:
+            if tr._interrupt_at_step and cb is not None:  # not a second Ctrl-C mid-step
                 saved = cb.save_interrupted(tr)
         if tr.module is not None:
             tr._call_callbacks("on_exception", exc)

@@ -160,6 +160,7 @@ class Trainer:
         self._resumed_from: Path | None = None  # the checkpoint this fit resumed from (resolved)
         self._checkpoint_dir: Path | None = None  # the default checkpoint folder, once chosen
         self._interrupt_requested = False  # a Ctrl-C asked the fit to stop after the current step
+        self._interrupt_at_step = False  # ...and it stopped there (loops.stop_at_step)
         self._started_at = time.monotonic()
 
     # -- what the run is at --------------------------------------------------------------------
