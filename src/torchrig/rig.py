@@ -357,7 +357,9 @@ class Rig:
         """Save ``state`` atomically to the checkpoint directory ``path`` (see :mod:`torchrig.checkpoint`)."""
         from torchrig import checkpoint
 
-        return checkpoint.save(self, path, state, **kwargs)
+        saved = checkpoint.save(self, path, state, **kwargs)
+        self.strategy.record_progress()  # for the crash-loop check of torchrun restarts
+        return saved
 
     def load(
         self, path: str | os.PathLike[str], state: dict[str, Any] | None = None, strict: bool = True

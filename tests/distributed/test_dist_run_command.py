@@ -58,6 +58,7 @@ def _args(**kw: object) -> argparse.Namespace:
         "accelerator": None,
         "strategy": None,
         "precision": None,
+        "max_restarts": 0,
         "script": "s.py",
         "script_args": ["--x", "1"],
     }
@@ -65,14 +66,23 @@ def _args(**kw: object) -> argparse.Namespace:
 
 
 def test_single_node_uses_a_standalone_rendezvous() -> None:
-    assert torchrun_args(_args(), 2) == ["--nproc-per-node=2", "--nnodes=1", "--standalone", "s.py", "--x", "1"]
+    assert torchrun_args(_args(), 2) == [
+        "--nproc-per-node=2",
+        "--nnodes=1",
+        "--max-restarts=0",
+        "--standalone",
+        "s.py",
+        "--x",
+        "1",
+    ]
 
 
 def test_multi_node_passes_address_port_and_rank() -> None:
     args = _args(num_nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
-    assert torchrun_args(args, 4)[:5] == [
+    assert torchrun_args(args, 4)[:6] == [
         "--nproc-per-node=4",
         "--nnodes=2",
+        "--max-restarts=0",
         "--node-rank=1",
         "--master-addr=10.0.0.1",
         "--master-port=29500",

@@ -36,6 +36,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--accelerator", default=None, help="passed to the script as TORCHRIG_ACCELERATOR")
     p.add_argument("--strategy", default=None, help="passed to the script as TORCHRIG_STRATEGY")
     p.add_argument("--precision", default=None, help="passed to the script as TORCHRIG_PRECISION")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all workers up to N times when one fails (torchrun's --max-restarts); a restart "
+        "that commits no checkpoint after one that also committed none stops the job",
+    )
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(handler=main)
@@ -54,7 +61,9 @@ def process_count(accelerator: str | None, devices: str) -> int:
 
 def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
     """The ``torch.distributed.run`` command line for ``args``."""
-    out = [f"--nproc-per-node={nproc}", f"--nnodes={args.num_nodes}"]
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts} must be 0 or more")
+    out = [f"--nproc-per-node={nproc}", f"--nnodes={args.num_nodes}", f"--max-restarts={args.max_restarts}"]
     if args.num_nodes == 1 and args.master_addr is None and args.master_port is None:
         out.append("--standalone")  # a private rendezvous on a free local port
     else:
@@ -81,10 +90,12 @@ def script_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from torchrig.strategies.launch import thread_env, worker_threads
+    from torchrig.strategies.parallel import STOP_FILE_ENV
 
     if not os.path.isfile(args.script):
         print(f"torchrig run: no such script: {args.script}", file=sys.stderr)
@@ -97,6 +108,24 @@ def main(args: argparse.Namespace) -> int:
         return 2
     os.environ.update(script_env(args))
     os.environ.update(thread_env(worker_threads(nproc)))  # set, so torchrun does not set 1 and warn
+    with tempfile.TemporaryDirectory(prefix="torchrig-run-") as tmp:
+        stop_file = os.path.join(tmp, "stop")
+        os.environ[STOP_FILE_ENV] = stop_file  # a worker that stops the job (crash loop) says why there
+        try:
+            return launch_workers(args, launch)
+        except SignalException:
+            if not os.path.exists(stop_file):
+                raise
+            with open(stop_file, encoding="utf-8") as f:
+                print(f"torchrig run: {args.script} stopped: {f.read()}", file=sys.stderr)
+            return 1
+
+
+def launch_workers(args: argparse.Namespace, launch: list[str]) -> int:
+    """Run torchrun with ``launch``; 0, or 1 with one line naming the rank that failed first."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
     try:
         run(get_args_parser().parse_args(launch))
     except ChildFailedError as err:

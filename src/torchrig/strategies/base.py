@@ -83,6 +83,9 @@ class Strategy:
         """Run ``fn`` in every process of the run; here, just this one."""
         return fn(*args, **kwargs)
 
+    def record_progress(self) -> None:
+        """Called after each committed ``rig.save``; parallel strategies count it for restarts."""
+
     def teardown(self) -> None:
         if self.accelerator is not None:
             self.accelerator.teardown()

@@ -264,7 +264,12 @@ _Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 _previous_hook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
 
 
-def install_failure_report(rank: int, world_size: int, on_failure: Callable[[], None] | None = None) -> None:
+def install_failure_report(
+    rank: int,
+    world_size: int,
+    on_failure: Callable[[], None] | None = None,
+    record: Callable[[str], None] | None = None,
+) -> None:
     """Make an uncaught exception name the failing rank, stop local children, and tell torchrun.
 
     Under torchrun the error is also written to ``TORCHELASTIC_ERROR_FILE`` so torchrun's summary
@@ -276,6 +281,8 @@ def install_failure_report(rank: int, world_size: int, on_failure: Callable[[], 
     previous = _previous_hook
 
     def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if record is not None:  # for the next attempt's crash-loop check
+            record(f"{tp.__name__}: {value}")
         if on_failure is not None:
             on_failure()
         previous(tp, value, tb)

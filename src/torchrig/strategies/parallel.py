@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -63,6 +64,9 @@ class ParallelStrategy(Strategy):
         self._env: ClusterEnvironment | None = None
         self._launcher: SubprocessLauncher | None = None
         self._owns_group = False
+        #: torchrun's job-wide store and this attempt's number, when torchrun restarts workers.
+        self._job_store: Any = None
+        self._attempt = 0
 
     # -- layout ---------------------------------------------------------------------------
     @property
@@ -150,7 +154,10 @@ class ParallelStrategy(Strategy):
         launcher = self._launcher
         # On failure give the other ranks a moment to fail by themselves (so they report it), then stop them.
         install_failure_report(
-            env.global_rank, env.world_size, (lambda: launcher.kill(grace=2.0)) if launcher else None
+            env.global_rank,
+            env.world_size,
+            (lambda: launcher.kill(grace=2.0)) if launcher else None,
+            record=self.record_failure,
         )
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
@@ -172,8 +179,34 @@ class ParallelStrategy(Strategy):
             prefixed = dist.PrefixStore("default_pg", store)
             dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=self.timeout)
             return
+        if env.kind == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+            # torchrun's agent hosts one store for the whole job and keeps it across restarts
+            # (--max-restarts), but env:// gives every attempt the same keys: a restarted rank can
+            # read the address a dead rank of the previous attempt published and connect to it
+            # (pytorch#135712, #167288). The keys of each attempt get their own prefix.
+            assert env.master_addr is not None and env.master_port is not None
+            self._attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            self._job_store = dist.TCPStore(
+                env.master_addr, env.master_port, world, is_master=False, timeout=self.timeout
+            )
+            check_progress(self._job_store, self._attempt, rank)
+            attempt_store = dist.PrefixStore(f"torchrig/attempt_{self._attempt}/default_pg", self._job_store)
+            dist.init_process_group(backend, store=attempt_store, rank=rank, world_size=world, timeout=self.timeout)
+            return
         init = "env://" if env.kind == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=self.timeout)
+
+    def record_progress(self) -> None:
+        """Note in torchrun's job-wide store that this attempt committed a checkpoint (see
+        :func:`check_progress`); nothing to do without torchrun restarts."""
+        if self._job_store is not None:
+            self._job_store.add(_progress_key(self._attempt), 1)
+
+    def record_failure(self, text: str) -> None:
+        """Keep the first error of this attempt in torchrun's job-wide store for the next attempt."""
+        if self._job_store is not None:
+            with contextlib.suppress(Exception):  # the store may be gone with the agent
+                self._job_store.compare_set(_failure_key(self._attempt), "", f"rank {self.global_rank}: {text}")
 
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Start the ``spawn``/``fork`` workers and run ``fn`` in each; else just call ``fn``."""
@@ -288,3 +321,56 @@ class ParallelStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(start_method={self.start_method!r})"
+
+
+def _progress_key(attempt: int) -> str:
+    return f"torchrig/progress/attempt_{attempt}"
+
+
+def _failure_key(attempt: int) -> str:
+    return f"torchrig/failure/attempt_{attempt}"
+
+
+class CrashLoopError(RuntimeError):
+    """A torchrun restart would repeat a failed attempt that made no progress."""
+
+
+def check_progress(store: Any, attempt: int, rank: int) -> None:
+    """Stop a crash loop: raise :class:`CrashLoopError` when the previous attempt was itself a
+    restart (``attempt >= 2``) and committed no checkpoint (no ``rig.save`` completed in it).
+
+    Progress is the number of checkpoints committed through ``rig.save`` in an attempt, counted
+    in torchrun's job-wide store. The first run and the first restart always run: a run may fail
+    before its first checkpoint once; failing again without one means the restart cannot help.
+    """
+    if attempt < 2 or store.check([_progress_key(attempt - 1)]):
+        return
+    stopped = "torchrig/crash_loop"
+    if not store.check([stopped]):
+        failure = _failure_key(attempt - 1)
+        cause = store.get(failure).decode() if store.check([failure]) else ""
+        cause = cause or "a rank died without recording an error (killed by a signal? see the output above)"
+        text = (
+            f"restart {attempt - 1} committed no checkpoint before it failed, like the attempt before it, "
+            f"so restarting again would repeat it; the job stops here. Restart {attempt - 1} failed with "
+            f"{cause}"
+        )
+        if store.compare_set(stopped, "", text).decode() == text:
+            stop_torchrig_run(text)
+    raise CrashLoopError(f"rank {rank}: torchrig run --max-restarts: {store.get(stopped).decode()}")
+
+
+#: Set by ``torchrig run``: where a worker leaves the reason it stops the whole job.
+STOP_FILE_ENV = "TORCHRIG_RUN_STOP_FILE"
+
+
+def stop_torchrig_run(reason: str) -> None:
+    """Under ``torchrig run``, write ``reason`` to its stop file and SIGTERM the agent (this
+    worker's parent), so torchrun stops instead of spending its remaining restarts."""
+    import signal
+
+    path = os.environ.get(STOP_FILE_ENV)
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(reason)
+        os.kill(os.getppid(), signal.SIGTERM)
