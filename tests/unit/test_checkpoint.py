@@ -93,7 +93,8 @@ def test_meta_json_lists_versions_counters_and_checksums(rig: torchrig.Rig, tmp_
     for name, entry in meta["files"].items():
         data = (path / name).read_bytes()
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    assert meta["parameters"] == 10 * 4 + 4 * 4 + 4 + 12  # the tied matrix counts once
+    assert meta["parameters"] == 10 * 4 + 4 * 4 + 4  # the tied matrix counts once
+    assert meta["buffers"] == 12  # counted apart from the parameters
     assert meta["entries"]["optimizer"]["type"] == "torch.optim.adamw.AdamW"
     saved = safetensors.torch.load_file(str(path / "model.safetensors"))
     assert "out.weight" not in saved and "emb.weight" in saved  # stored once, re-tied on load

@@ -172,6 +172,8 @@ SCHEMA_CASES: list[tuple[str, Callable[[dict[str, Any]], object], str]] = [
      "values must be a JSON object, got 3"),
     ("parameters", lambda m: m.update(parameters="many"),
      "parameters must be a non-negative integer, got 'many'"),
+    ("buffers", lambda m: m.update(buffers=-1),
+     "buffers must be a non-negative integer, got -1"),
     ("sharded", lambda m: m.update(sharded="yes"),
      "sharded must be true or false, got 'yes'"),
 ]  # fmt: skip

@@ -14,6 +14,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -83,12 +84,14 @@ def collect(rig: Any, state: dict[str, Any]) -> dict[str, Any]:
     objects: dict[str, Any] = {}
     values: dict[str, Any] = {}
     entries: dict[str, dict[str, Any]] = {}
+    counted: list[nn.Module] = []
     for key, obj in state.items():
         check_key(key)
         if isinstance(obj, nn.Module):
             sd = rig.strategy.module_state_dict(unwrap_module(obj))
             modules[key], extras[key] = split_module_state(sd)
             entries[key] = {"kind": "module", "type": _qualname(obj), "file": f"{key}.safetensors"}
+            counted.append(unwrap_module(obj))
         elif is_stateful(obj):
             objects[key] = obj.state_dict()
             entries[key] = {"kind": "state", "type": _qualname(obj)}
@@ -103,7 +106,7 @@ def collect(rig: Any, state: dict[str, Any]) -> dict[str, Any]:
     else:
         rng_all = [rng]
     blob = {"objects": objects, "values": values, "module_extras": extras, "rng": rng_all}
-    return {"modules": modules, "blob": blob, "entries": entries}
+    return {"modules": modules, "blob": blob, "entries": entries, "counts": module_counts(counted)}
 
 
 def base_meta(rig: Any, entries: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
@@ -210,9 +213,24 @@ def _add_tensor_files(files: FileSet, prefix: str, tensors: dict[str, torch.Tens
     return names
 
 
-def _count_params(sd: dict[str, torch.Tensor]) -> int:
-    unique = {(t.data_ptr(), t.shape, t.dtype): t for t in sd.values()}  # tied weights count once
-    return sum(t.numel() for t in unique.values() if t.is_floating_point() or t.is_complex())
+def module_counts(modules: Iterable[nn.Module]) -> dict[str, int]:
+    """``{"parameters": n, "buffers": m}``: the elements of the modules' ``nn.Parameter`` objects
+    (trainable and frozen; a shared or tied one counts once; a sharded one by its full size) and,
+    apart, of the buffers a state dict saves (BatchNorm's running statistics and counters).
+    What ``meta.json`` records and ``torchrig checkpoint inspect`` shows.
+
+    Example:
+        >>> module_counts([nn.BatchNorm1d(4)])
+        {'parameters': 8, 'buffers': 9}
+    """
+    params: dict[int, int] = {}
+    buffers: dict[int, int] = {}
+    for module in modules:
+        params.update((id(p), p.numel()) for p in module.parameters())
+        for sub in module.modules():
+            saved = (b for name, b in sub._buffers.items() if name not in sub._non_persistent_buffers_set)
+            buffers.update((id(b), b.numel()) for b in saved if b is not None)
+    return {"parameters": sum(params.values()), "buffers": sum(buffers.values())}
 
 
 def read_tensor_files(
@@ -321,9 +339,8 @@ def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | N
                     del entry["file"]  # format 1 readers would see only the first shard
             table = files.finish()
         tensors = sum(len(sd) for sd in payload["modules"].values())
-        params = sum(_count_params(sd) for sd in payload["modules"].values())
         meta = base_meta(rig, payload["entries"], payload["blob"]["values"])
-        meta.update(sharded=False, files=table, tensors=tensors, parameters=params)
+        meta.update(sharded=False, files=table, tensors=tensors, **payload["counts"])
         write_meta(tmp, meta)
         commit(tmp, target)
     except BaseException as err:

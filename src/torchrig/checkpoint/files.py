@@ -405,6 +405,7 @@ def validate_meta(meta: Any, source: Path) -> dict[str, Any]:
         ("world_size", lambda v: _is_int(v, 1), "a positive integer"),
         ("tensors", _is_int, "a non-negative integer"),
         ("parameters", _is_int, "a non-negative integer"),
+        ("buffers", _is_int, "a non-negative integer"),
         ("saved_at_ns", _is_int, "a non-negative integer"),
         ("values", lambda v: isinstance(v, dict), "a JSON object"),
         ("step", lambda v: v is None or isinstance(v, (int, float, str)), "a number, a string or null"),

@@ -324,7 +324,8 @@ def _finish(
     entries.update({k: {"kind": "optimizer", "type": core._qualname(o), "dcp": True} for k, o in optims.items()})
     meta = core.base_meta(rig, entries, payload["blob"]["values"])
     md = parse_dcp_metadata(tmp / DCP_METADATA, read_regular(tmp / DCP_METADATA), files=table)  # as loads read it
-    meta.update(sharded=True, files=table, **_counts(md, list(modules)))
+    counts = core.module_counts(modules.values())  # full sizes: a DTensor's numel is the whole tensor's
+    meta.update(sharded=True, files=table, tensors=_count_tensors(md, list(modules)), **counts)
     write_meta(tmp, meta)
     commit(tmp, target)
     if link:
@@ -333,16 +334,14 @@ def _finish(
         apply_retention(target, keep_last)
 
 
-def _counts(md: Any, module_keys: list[str]) -> dict[str, int]:
-    """Tensor and parameter counts of the modules' shards, from DCP's metadata ``md`` (full shapes)."""
+def _count_tensors(md: Any, module_keys: list[str]) -> int:
+    """How many tensors the modules' shards hold, from DCP's metadata ``md``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     prefixes = tuple(f"{k}." for k in module_keys)
-    tensors = [
-        v for k, v in md.state_dict_metadata.items() if k.startswith(prefixes) and isinstance(v, TensorStorageMetadata)
-    ]
-    floating = [v for v in tensors if v.properties.dtype.is_floating_point]
-    return {"tensors": len(tensors), "parameters": sum(int(torch.Size(v.size).numel()) for v in floating)}
+    return sum(
+        1 for k, v in md.state_dict_metadata.items() if k.startswith(prefixes) and isinstance(v, TensorStorageMetadata)
+    )
 
 
 def _safe_planner(*, keys: list[str] | None = None) -> Any:

@@ -89,6 +89,7 @@ def _print_tables(info: dict[str, Any]) -> None:
         ("epoch", info.get("epoch")),
         ("tensors", info.get("tensors")),
         ("parameters", f"{info.get('parameters', 0):,}"),
+        ("buffers", None if info.get("buffers") is None else f"{info['buffers']:,}"),  # older checkpoints: -
         ("saved on", f"{info.get('device_type')} · precision {info.get('precision')}"),
         ("versions", f"torch {info.get('torch')} · torchrig {info.get('torchrig')}"),
     ]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from torchrig.checkpoint.core import module_counts
 from torchrig.checkpoint.files import read_meta, resolve_checkpoint
 from torchrig.demo.data import DigitsDataModule
 from torchrig.demo.model import DigitsCNN
@@ -142,7 +143,7 @@ def _announce(model: DigitsCNN, data: DigitsDataModule, run_dir: Path) -> None:
     data.setup("fit")
     splits = data.loaded()
     print(
-        f"torchrig demo: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) "
+        f"torchrig demo: {type(model).__name__} ({module_counts([model])['parameters']:,} parameters) "
         f"learns {len(splits.train):,} handwritten digits, validates on {len(splits.val)}, "
         f"tests on {len(splits.test)} held out; run directory {run_dir}"
     )
