@@ -81,6 +81,9 @@ def test_fit_with_a_yaml_config_then_test_from_the_checkpoint(tmp_path: Path) ->
     assert test["accelerator"] == "cpu"
     # The test set is the validation set: the checkpoint's test loss is the last validation loss.
     assert test["result"][0]["test_loss"] == pytest.approx(val[-1], rel=1e-5)
+    # `--ckpt_path=last` from a new run (its own version_1, with no `last`): the newest fit's `last`.
+    newest = summary(run_script("test", "--config", str(config), "--ckpt_path=last", cwd=tmp_path))
+    assert newest["result"] == test["result"]
     fresh = summary(run_script("test", "--config", str(config), "--trainer.logger=false", cwd=tmp_path))
     assert fresh["result"][0]["test_loss"] > 2 * val[-1]  # an untrained model does worse
 
