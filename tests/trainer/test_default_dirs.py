@@ -82,6 +82,8 @@ def test_a_fit_shorter_than_log_every_n_steps_warns(tmp_path: Path) -> None:
         "reaches the loggers; set log_every_n_steps=12 or lower, or log with on_epoch=True"
     ]
     assert not (tmp_path / "torchrig_logs" / "version_0" / "metrics.csv").exists()  # nothing was logged
+    with pytest.warns(UserWarning, match=r"this fit has 7 optimizer steps, fewer than Trainer\(log_every_n_steps=50\)"):
+        _trainer(tmp_path, max_steps=7).fit(Regressor(), loader(24))  # max_epochs unset: max_steps counts
     quiet: list[dict[str, Any]] = [{"log_every_n_steps": 12}, {"logger": False}, {"max_epochs": 17}]
     for kwargs in quiet:  # 12 steps log once; nothing to log to; 51 steps log once
         with warnings.catch_warnings():

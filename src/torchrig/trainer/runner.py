@@ -209,11 +209,13 @@ def _warn_if_steps_are_not_logged(tr: Trainer) -> None:
     """Warn when the whole fit has fewer optimizer steps than ``log_every_n_steps``: no value
     logged per step would reach the loggers."""
     n = tr.num_training_batches
-    if not tr.loggers or not tr.is_global_zero or n == 0 or math.isinf(n) or tr.max_epochs == -1:
+    if not tr.loggers or not tr.is_global_zero or n == 0:
         return
-    steps = math.ceil(n / tr.accumulate_grad_batches) * tr.max_epochs
-    if tr.max_steps != -1:
-        steps = min(steps, tr.max_steps)
+    per_epoch = math.inf if math.isinf(n) else math.ceil(n / tr.accumulate_grad_batches)
+    steps = min(
+        per_epoch * tr.max_epochs if tr.max_epochs != -1 else math.inf,
+        tr.max_steps if tr.max_steps != -1 else math.inf,
+    )
     if steps < tr.log_every_n_steps:
         warnings.warn(
             f"this fit has {steps} optimizer steps, fewer than Trainer(log_every_n_steps={tr.log_every_n_steps}): "
