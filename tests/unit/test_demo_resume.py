@@ -23,6 +23,10 @@ def test_the_rate_is_a_function_of_the_epoch_and_the_current_horizon() -> None:
         optimizer.param_groups[0]["lr"] = 123.0  # what a checkpoint restored: never used
         model.on_train_epoch_start()
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * factor, abs=1e-12), (epoch, horizon)
+    optimizer.param_groups[0]["lr"] = 0.0  # resumed mid-epoch (after Ctrl-C): no epoch start comes first
+    model._trainer = SimpleNamespace(current_epoch=3, max_epochs=6, optimizers=[optimizer])  # type: ignore[assignment]
+    model.on_train_start()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
     assert cosine_factor(10**6, -1) == 1.0 and cosine_factor(2, None) == 1.0  # no end: the peak, never 0
 
 
