@@ -9,6 +9,7 @@ import os
 import random
 import weakref
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,10 @@ class Rig:
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
             ``"16-true"``, ``"64-true"``, or ``"auto"``.
         num_nodes: how many machines take part.
+        timeout: how long a collective waits for the other ranks before it fails (seconds or a
+            ``timedelta``; default: the strategy's, 10 minutes). It is the process group's timeout,
+            passed to every backend. A timed-out torchrig collective names, for every rank, the
+            collective it was in (see docs/distributed.md, "Hangs").
 
     ``None`` means the ``TORCHRIG_*`` environment variable that ``torchrig run`` sets, and then
     the default (auto, auto, auto, 32-true, 1).
@@ -63,10 +68,18 @@ class Rig:
         strategy: str | Strategy | None = None,
         precision: str | int | None = None,
         num_nodes: int | None = None,
+        timeout: float | timedelta | None = None,
     ) -> None:
         self.plan: Plan = resolve(
             accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, num_nodes=num_nodes
         )
+        if timeout is not None:  # how long a collective waits for the other ranks; one process never waits
+            from torchrig.strategies.hangs import as_timeout
+            from torchrig.strategies.parallel import ParallelStrategy
+
+            seconds = as_timeout(timeout)
+            if isinstance(self.strategy, ParallelStrategy):
+                self.strategy.timeout = seconds
         # Weak, so an object that died cannot make a new one at the same id() look prepared.
         self._prepared: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._loaders: list[RigDataLoader] = []

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from torchrig.strategies.base import Strategy, check_reduce_op
 from torchrig.strategies.environment import ClusterEnvironment, detect_environment
+from torchrig.strategies.hangs import collective
 from torchrig.strategies.launch import SubprocessLauncher, install_failure_report, spawn, watch_parent
 
 START_METHODS = ("popen", "spawn", "fork")
@@ -257,6 +258,10 @@ class ParallelStrategy(Strategy):
     def _active(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
+    def _collective(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Record the collective ``name`` for the report on a timeout (:mod:`.hangs`)."""
+        return collective(name, self.global_rank, dist.get_world_size(), self.timeout)
+
     def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
         """Stack ``tensor`` from every rank: ``(world_size, *shape)``; same shape on every rank."""
         if not self._active():
@@ -264,11 +269,12 @@ class ParallelStrategy(Strategy):
         if sync_grads:
             from torch.distributed.nn.functional import all_gather
 
-            with warnings.catch_warnings():  # torch 2.13 nudges to a private module; this one is public
-                warnings.simplefilter("ignore", FutureWarning)
+            with warnings.catch_warnings(), self._collective("all_gather"):
+                warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 nudges to a private module
                 return torch.stack(all_gather(tensor.contiguous()))
         out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, tensor.contiguous())
+        with self._collective("all_gather"):
+            dist.all_gather(out, tensor.contiguous())
         return torch.stack(out)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -277,7 +283,8 @@ class ParallelStrategy(Strategy):
         if not self._active():
             return tensor
         out = tensor.clone() if tensor.is_floating_point() or op != "mean" else tensor.double()
-        dist.all_reduce(out, op=_OPS[op])
+        with self._collective(f"all_reduce({op!r})"):
+            dist.all_reduce(out, op=_OPS[op])
         if op == "mean":
             out = out / dist.get_world_size()
         return out
@@ -288,27 +295,31 @@ class ParallelStrategy(Strategy):
             return obj
         if isinstance(obj, torch.Tensor):
             out = obj.clone()
-            dist.broadcast(out, src=src)
+            with self._collective(f"broadcast(src={src})"):
+                dist.broadcast(out, src=src)
             return out
         box = [obj]
         device = self.root_device if self.backend() not in ("gloo",) else None
-        dist.broadcast_object_list(box, src=src, device=device)
+        with self._collective(f"broadcast(src={src})"):
+            dist.broadcast_object_list(box, src=src, device=device)
         return box[0]
 
     def barrier(self, name: str | None = None) -> None:
         if not self._active():
             return
-        if self.backend() == "nccl" and self.root_device.index is not None:
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with self._collective("barrier" if name is None else f"barrier({name!r})"):
+            if self.backend() == "nccl" and self.root_device.index is not None:
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     def reduce_boolean_decision(self, flag: bool, all: bool = True) -> bool:
         if not self._active():
             return bool(flag)
         votes = torch.tensor(int(bool(flag)), device=self.root_device)
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
-        count = int(votes.item())  # a decision is needed on the host
+        with self._collective("reduce_boolean_decision"):
+            dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+            count = int(votes.item())  # a decision is needed on the host
         return count == dist.get_world_size() if all else count > 0
 
     @contextlib.contextmanager
