@@ -70,7 +70,10 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path: Path) -> No
     assert last.name == "epoch=1-step=4"
     resumed = _run(tmp_path, "killed", -1, accumulate)
     assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.split() == clean.stdout.split()
+    said, *rest = resumed.stdout.splitlines()
+    link = last.parent / "last"
+    assert said == f"torchrig: resumed from {link} -> epoch=1-step=4: continues in epoch 2 after 2 batches, step 4"
+    assert rest == clean.stdout.splitlines()
     a = torch.load(tmp_path / "clean" / "final.pt")
     b = torch.load(tmp_path / "killed" / "final.pt")
     assert a.keys() == b.keys()
