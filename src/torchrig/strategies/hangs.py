@@ -28,6 +28,7 @@ _TIMEOUT = re.compile(r"timed? ?out", re.IGNORECASE)
 #: (number of this call, collective, where it was called from), newest last.
 recent: deque[tuple[int, str, str]] = deque(maxlen=KEEP)
 _count = [0]
+_incidents = [0]  # timeouts so far: ranks that time out together are at the same incident
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -69,7 +70,8 @@ def explain(entry: tuple[int, str, str], rank: int, world_size: int, timeout: ti
     try:
         import torch.distributed as dist
 
-        store = dist.PrefixStore("torchrig/hang", dist.distributed_c10d._get_default_store())
+        _incidents[0] += 1
+        store = dist.PrefixStore(f"torchrig/hang/{_incidents[0]}", dist.distributed_c10d._get_default_store())
         store.set(str(rank), states[rank])
         deadline = time.monotonic() + timeout.total_seconds()
         missing = [r for r in range(world_size) if r != rank]

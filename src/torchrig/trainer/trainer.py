@@ -39,6 +39,7 @@ class Trainer:
         strategy: process layout (``"auto"``, ``"ddp"``, ``"ddp_spawn"``, ``"fsdp"``...).
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``...
         num_nodes: machines taking part.
+        timeout: how long a collective waits for the other ranks, as for :class:`~torchrig.Rig`.
         max_epochs: stop after this many epochs (``-1``: no limit; default 1000 unless ``max_steps`` is set).
         max_steps: stop after this many optimizer steps (``-1``: no limit).
         max_time: stop after this long: seconds, a ``timedelta``, or ``"DD:HH:MM:SS"``.
@@ -78,6 +79,7 @@ class Trainer:
         strategy: Any = None,
         precision: Any = None,
         num_nodes: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
         max_epochs: int | None = None,
         max_steps: int = -1,
         max_time: float | str | datetime.timedelta | None = None,
@@ -127,7 +129,12 @@ class Trainer:
         self.seed = seed
         self.default_root_dir = Path(default_root_dir if default_root_dir is not None else os.getcwd())
         self.rig = Rig(
-            accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, num_nodes=num_nodes
+            accelerator=accelerator,
+            devices=devices,
+            strategy=strategy,
+            precision=precision,
+            num_nodes=num_nodes,
+            timeout=timeout,
         )
         self.callbacks = _callbacks(callbacks, enable_checkpointing, enable_progress_bar)
         self.loggers = _loggers(logger, self.default_root_dir)
