@@ -132,10 +132,9 @@ def test_write_errors_are_raised_and_the_previous_checkpoint_stays(
 
 @pytest.mark.timeout(10)
 def test_stale_temp_dirs_of_dead_saves_are_removed(rig: torchrig.Rig, tmp_path: Path) -> None:
-    dead = tmp_path / ".step-1.tmp-999999999-abcd1234"  # no such pid
+    mine = files.temp_dir_for(tmp_path / "step-1")  # named for this host, boot and pid namespace
+    dead = tmp_path / mine.name.replace(f"-{os.getpid()}-", "-999999999-")  # no such pid
     dead.mkdir()
-    mine = tmp_path / f".step-1.tmp-{os.getpid()}-abcd1234"
-    mine.mkdir()
     rig.save(tmp_path / "step-2", {"step": 2})
     assert not dead.exists() and mine.exists()
 

@@ -77,7 +77,7 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     import safetensors.torch
 
     from torchrig.checkpoint.core import module_files, read_tensor_files
-    from torchrig.checkpoint.files import VerifiedReader, durable, fsync_dir
+    from torchrig.checkpoint.files import VerifiedReader, durable, follow_umask, fsync_dir
     from torchrig.checkpoint.sharded import consolidate_dcp
 
     folder = resolve_checkpoint(path)
@@ -108,6 +108,7 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     safetensors.torch.save_file({k: t.contiguous() for k, t in flat.items()}, str(tmp))
+    follow_umask(tmp)
     durable(tmp)
     os.replace(tmp, target)
     fsync_dir(target.parent)

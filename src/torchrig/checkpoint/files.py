@@ -7,6 +7,8 @@ at the final path is either complete (every file fsynced and listed with its SHA
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import hashlib
 import io
@@ -16,7 +18,9 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import stat
+import sys
 import uuid
 import warnings
 from collections.abc import Callable
@@ -42,6 +46,20 @@ def _write_fsync(path: Path, data: bytes | memoryview) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _umask() -> int:
+    for line in _read_text("/proc/self/status").splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # no /proc: read it the only other way, setting it back at once
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give a file written by a library that creates it 0600 (safetensors) the mode ``open`` gives."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def durable(path: Path) -> None:
@@ -152,29 +170,131 @@ def write_meta(folder: Path, meta: dict[str, Any]) -> None:
 
 
 # -- committing ---------------------------------------------------------------------------
+# Names this process leaves next to a checkpoint while it saves: ``.NAME.tmp-OWNER-RANDOM`` (the
+# files being written), ``.NAME.old-OWNER-RANDOM`` (the previous checkpoint while it is replaced
+# without an atomic exchange), ``.LINK.link-OWNER-RANDOM`` (a new symlink before it replaces
+# ``last``). OWNER is ``HOST.BOOT.PIDNS-PID``: hashes of the host name, the kernel's boot id and the
+# pid namespace, then the pid. A pid means something only on its own host, boot and namespace, so
+# leftovers are reaped only when that is ours (and the pid is dead), or when they come from an
+# earlier boot of this host (see :func:`remove_stale_temps`).
+_LEFTOVER = re.compile(
+    r"\.(?P<name>.+)\.(?P<kind>tmp|old|link)-(?P<host>[0-9a-f]{8})\.(?P<boot>[0-9a-f]{8})\.(?P<ns>[0-9a-f]{8})"
+    r"-(?P<pid>[0-9]+)-[0-9a-f]{8}"
+)
+
+
+def _tag(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _origin() -> tuple[str, str, str]:
+    """Hashes of this host's name, this boot of its kernel, and this process's pid namespace."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return _tag(socket.gethostname()), _tag(_read_text("/proc/sys/kernel/random/boot_id")), _tag(ns)
+
+
+def _boot_time() -> float | None:
+    """When this machine booted (seconds since the epoch), where the kernel says."""
+    for line in _read_text("/proc/stat").splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return None
+
+
+def leftover_name(target: Path, kind: str) -> Path:
+    """A fresh ``.NAME.KIND-OWNER-RANDOM`` path next to ``target`` (see :data:`_LEFTOVER`)."""
+    host, boot, ns = _origin()
+    return target.parent / f".{target.name}.{kind}-{host}.{boot}.{ns}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def temp_dir_for(target: Path) -> Path:
     """A fresh hidden directory next to ``target`` (same file system, so the rename is atomic)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = leftover_name(target, "tmp")
     tmp.mkdir()
     return tmp
 
 
-def commit(tmp: Path, target: Path) -> None:
-    """Rename the finished ``tmp`` to ``target``, replacing an older checkpoint there.
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2: list[Any] = []  # libc's renameat2, looked up once ([None] where there is none)
 
-    A directory cannot be swapped atomically on POSIX, so an existing target is first renamed
-    to ``.NAME.old-*``; if the process dies between the two renames, :func:`resolve_checkpoint`
-    finds the previous checkpoint there.
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    False where the OS, its C library or the file system cannot (nothing was changed then).
     """
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(target, old)
+    if not _renameat2:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+            except OSError:
+                fn = None
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+        _renameat2.append(fn)
+    fn = _renameat2[0]
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _remove_checkpoint(folder: Path, *, ignore_errors: bool = True) -> None:
+    """Delete a checkpoint directory, ``meta.json`` first: a half-deleted one is never taken for whole.
+
+    What another process removed meanwhile is never an error; with ``ignore_errors=False`` others are.
+    """
+
+    def gone(_fn: Any, _path: Any, exc: Any) -> None:
+        if not (ignore_errors or isinstance(exc[1], FileNotFoundError)):
+            raise exc[1]
+
+    with contextlib.suppress(OSError):
+        os.unlink(folder / META)
+    shutil.rmtree(folder, onerror=gone)
+
+
+def commit(tmp: Path, target: Path) -> None:
+    """Put the finished ``tmp`` at ``target``, replacing an older checkpoint there.
+
+    Where the OS can (Linux, on most file systems) the two directories are swapped in one step,
+    so ``target`` always holds a whole checkpoint, old or new. Elsewhere the old one is first
+    renamed to ``.NAME.old-*``: a kill between the two renames leaves ``target`` missing for a
+    moment, and :func:`resolve_checkpoint` (also through a ``last`` link) then loads the previous
+    checkpoint from there; the next save puts it back or removes it (:func:`remove_stale_temps`).
+    """
+    if not target.exists():
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        return
+    if exchange(tmp, target):
+        fsync_dir(target.parent)
+        _remove_checkpoint(tmp)  # now the previous checkpoint
+        return
+    old = leftover_name(target, "old")
+    os.rename(target, old)
     os.rename(tmp, target)
     fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    _remove_checkpoint(old)
 
 
 def discard(tmp: Path) -> None:
@@ -188,7 +308,7 @@ def update_link(target: Path, name: str) -> None:
         raise CheckpointError(
             f"cannot update the {name!r} link: {link} exists and is not a symlink; remove it or pass link=None"
         )
-    tmp = target.parent / f".{name}.link-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = leftover_name(link, "link")
     os.symlink(target.name, tmp, target_is_directory=True)
     os.replace(tmp, link)
     fsync_dir(target.parent)
@@ -206,6 +326,8 @@ def apply_retention(target: Path, keep_last: int) -> list[Path]:
     """Delete the oldest checkpoints next to ``target`` so that ``keep_last`` remain; returns them.
 
     Only visible sibling directories holding a torchrig ``meta.json`` count; ``target`` is kept.
+    Another process may save and prune in the same folder: a checkpoint it removed meanwhile is
+    simply no longer counted.
     """
     found: list[tuple[int, Path]] = []
     for p in target.parent.iterdir():
@@ -217,19 +339,59 @@ def apply_retention(target: Path, keep_last: int) -> list[Path]:
     found.sort()
     doomed = [p for _, p in found[: max(0, len(found) - (keep_last - 1))]]
     for p in doomed:
-        shutil.rmtree(p)
+        _remove_checkpoint(p, ignore_errors=False)
     return doomed
 
 
-def remove_stale_temps(parent: Path) -> None:
-    """Remove temporary directories left by saves whose process is gone (killed mid-save)."""
-    for p in parent.glob(".*.tmp-*"):
+def _dead(m: re.Match[str], path: Path) -> bool:
+    """Whether the save that left ``path`` (its name matched :data:`_LEFTOVER`) is certainly over."""
+    host, boot, ns = _origin()
+    if m["host"] != host:
+        return False  # another machine's: its pids mean nothing here (a shared file system)
+    if m["boot"] != boot:
+        # An earlier boot of this host, if the entry is older than this boot; a newer one is
+        # another machine with the same host name.
+        booted = _boot_time()
         try:
-            pid = int(p.name.rsplit(".tmp-", 1)[1].split("-")[0])
-        except (IndexError, ValueError):
+            return booted is not None and path.lstat().st_mtime < booted
+        except OSError:
+            return False
+    if m["ns"] != ns:
+        return False  # another pid namespace (a container) on this host
+    pid = int(m["pid"])
+    return pid != os.getpid() and not _alive(pid)
+
+
+def remove_stale_temps(parent: Path) -> None:
+    """Tidy what saves that are over (killed mid-save) left in ``parent``.
+
+    Temp dirs and temp links go. A ``.NAME.old-*`` copy goes if ``NAME`` is there; if ``NAME`` is
+    missing (killed between the two renames of a replace) the newest whole copy is renamed back
+    to ``NAME`` first. Only leftovers of this host, boot and pid namespace whose process is gone
+    are touched, and those of an earlier boot of this host; never another machine's.
+    """
+    olds: dict[str, list[tuple[int, Path]]] = {}
+    for p in parent.glob(".*-*"):
+        m = _LEFTOVER.fullmatch(p.name)
+        if m is None or not _dead(m, p):
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if m["kind"] == "link":
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        elif m["kind"] == "tmp":
             shutil.rmtree(p, ignore_errors=True)
+        else:
+            meta = _read_meta_quiet(p)
+            olds.setdefault(m["name"], []).append((int(meta.get("saved_at_ns", 0)) if meta else -1, p))
+    for name, copies in olds.items():
+        copies.sort()
+        if not os.path.lexists(parent / name) and copies[-1][0] >= 0:
+            with contextlib.suppress(OSError):
+                os.rename(copies.pop()[1], parent / name)
+                fsync_dir(parent)
+        for _, p in copies:
+            if os.path.lexists(parent / name):
+                _remove_checkpoint(p)
 
 
 def _alive(pid: int) -> bool:
@@ -311,6 +473,8 @@ def read_regular(path: Path, size: int | None = None, *, limit: int | None = Non
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint directory at ``path`` (following a ``last`` link); errors say what is there."""
     p = Path(path)
+    if p.is_symlink() and not p.exists():  # ``last`` -> NAME while a save replaces NAME: NAME's old copy
+        p = p.parent / os.readlink(p)
     if p.is_dir():
         if not os.path.lexists(p / META):  # a meta.json that is not a regular file is refused by read_meta
             raise CheckpointError(
@@ -320,16 +484,20 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return p
     if p.exists():
         raise CheckpointError(f"{p} is a file, but a torchrig checkpoint is a directory holding {META}")
-    olds = sorted(p.parent.glob(f".{p.name}.old-*"), key=lambda q: q.stat().st_mtime) if p.parent.is_dir() else []
-    olds = [q for q in olds if _read_meta_quiet(q) is not None]
+    olds = [(m.get("saved_at_ns", 0), q) for q in _glob(p.parent, f".{p.name}.old-*") if (m := _read_meta_quiet(q))]
     if olds:
+        old = max(olds)[1]  # the newest whole copy
         warnings.warn(
             f"{p} is missing because a save was interrupted while replacing it; loading the previous "
-            f"checkpoint from {olds[-1]}",
+            f"checkpoint from {old}",
             stacklevel=3,
         )
-        return olds[-1]
+        return old
     raise FileNotFoundError(f"no checkpoint at {p}")
+
+
+def _glob(folder: Path, pattern: str) -> list[Path]:
+    return list(folder.glob(pattern)) if folder.is_dir() else []
 
 
 def read_meta(folder: Path) -> dict[str, Any]:

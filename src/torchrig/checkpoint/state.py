@@ -78,9 +78,10 @@ def for_safetensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
     """Write ``tensors`` (ready for safetensors) to ``path``, fsynced; returns the file's SHA-256."""
-    from torchrig.checkpoint.files import durable, sha256_file
+    from torchrig.checkpoint.files import durable, follow_umask, sha256_file
 
     safetensors.torch.save_file(tensors, str(path), metadata=metadata)  # straight from tensor memory
+    follow_umask(path)
     # The hash reads the file back from the page cache while the disk flushes it: no extra copy.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-fsync") as pool:
         flushed = pool.submit(durable, path)

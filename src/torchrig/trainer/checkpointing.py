@@ -345,5 +345,5 @@ def newest_run_with_last(parent: str | os.PathLike[str]) -> Path | None:
     folder = Path(parent)
     if not folder.is_dir():
         return None
-    runs = [p for p in folder.iterdir() if _VERSION.match(p.name) and (p / CHECKPOINTS / "last").exists()]
+    runs = [p for p in folder.iterdir() if _VERSION.match(p.name) and os.path.lexists(p / CHECKPOINTS / "last")]
     return max(runs, key=lambda p: int(p.name.removeprefix("version_")), default=None)

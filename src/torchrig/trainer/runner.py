@@ -284,9 +284,11 @@ def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | None
         return Path(ckpt_path)
     folder = cb.resolve_dirpath(tr) if cb is not None else default_checkpoint_dir(tr)
     link = folder / "last"
-    if not link.exists() and (cb is None or cb.dirpath is None):  # the default folder: a new run's
+    # A ``last`` link that exists but points nowhere (a save was killed while replacing its
+    # checkpoint) is loaded: rig.load finds the previous copy, or raises; it never means "no checkpoint".
+    if not os.path.lexists(link) and (cb is None or cb.dirpath is None):  # the default folder: a new run's
         link = previous_run_last(tr) or link
-    if not link.exists():
+    if not os.path.lexists(link):
         warnings.warn(f"ckpt_path='last': there is no checkpoint at {link} yet; starting from scratch", stacklevel=4)
         return None
     return link
