@@ -122,10 +122,12 @@ def test_a_kill_at_every_step_of_a_replacing_save_never_loses_last(tmp_path: Pat
     assert {r["step"] for r in results} == {1, 2}
 
 
-def _named(folder: Path, kind: str, *, host: str | None = None, boot: str | None = None, pid: int) -> Path:
-    """A leftover of ``folder/ck`` as a save of that host, boot and pid would name it."""
-    h, b, ns = files._origin()
-    return folder / f".ck.{kind}-{host or h}.{boot or b}.{ns}-{pid}-abcd1234"
+def _named(
+    folder: Path, kind: str, *, host: str | None = None, boot: str | None = None, ns: str | None = None, pid: int
+) -> Path:
+    """A leftover of ``folder/ck`` as a save of that host, boot, pid namespace and pid would name it."""
+    h, b, n = files._origin()
+    return folder / f".ck.{kind}-{host or h}.{boot or b}.{ns or n}-{pid}-abcd1234"
 
 
 def _save(rig: torchrig.Rig, path: Path, step: int, **kwargs: Any) -> Path:
@@ -160,8 +162,8 @@ def test_a_dangling_last_loads_the_previous_copy_and_the_next_save_puts_it_back(
 
 
 # -- shared file systems and other users -------------------------------------------------------
-def _foreign(tmp_path: Path, kind: str, *, host: str | None = None, boot: str | None = None, pid: int) -> Path:
-    p = _named(tmp_path, kind, host=host, boot=boot, pid=pid)
+def _foreign(tmp_path: Path, kind: str, *, pid: int, **owner: str) -> Path:
+    p = _named(tmp_path, kind, pid=pid, **owner)
     p.mkdir()
     return p
 
@@ -177,12 +179,13 @@ def test_only_leftovers_of_this_host_boot_and_namespace_whose_process_died_are_r
     earlier_boot = _foreign(tmp_path, "tmp", boot="0badc0de", pid=os.getpid())
     os.utime(earlier_boot, (0, 0))  # last changed before this machine booted
     newer_other_boot = _foreign(tmp_path, "tmp", boot="0badc0de", pid=999_999_997)  # same name, another machine
+    container = _foreign(tmp_path, "tmp", ns="0badc0de", pid=999_999_996)  # another pid namespace here
     legacy = tmp_path / ".ck.tmp-999999999-abcd1234"  # no owner in the name: whose it is is unknown
     legacy.mkdir()
     _save(rig, tmp_path / "step-2", 2)
     assert not dead_here.exists() and not earlier_boot.exists()
     assert alive_here.exists() and other_host.exists() and other_host_old.exists()
-    assert newer_other_boot.exists() and legacy.exists()
+    assert newer_other_boot.exists() and container.exists() and legacy.exists()
 
 
 def test_temp_names_carry_the_host_boot_and_pid_namespace() -> None:
