@@ -13,10 +13,16 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from torchrig.arguments import shown
+
 #: ``devices=`` as a user may write it.
 DevicesLike = int | str | Sequence[int]
 
 ALL = -1
+
+#: The most processes, or the highest index, ``devices=`` may name: far above any machine, and
+#: small enough for every index-sized integer the accelerators pass it to.
+MOST = 2**16
 
 _FORMS = (
     "a positive count (devices=2), -1 or 'auto' for all, an index string ('0,1' or '1,'), or a list of indices ([0, 1])"
@@ -79,7 +85,9 @@ def _check_count(n: int, original: Any) -> int:
             f"devices={original!r} asks for no device; use a positive count such as devices=1, or -1 for all"
         )
     if n < 0:
-        raise ValueError(f"devices={original!r} is negative; the only negative value allowed is -1 (all)")
+        raise ValueError(f"devices={shown(original)} is negative; the only negative value allowed is -1 (all)")
+    if n > MOST:
+        raise ValueError(f"devices={shown(original)} asks for more than {MOST} devices; use a count such as devices=2")
     return n
 
 
@@ -89,6 +97,8 @@ def _check_indices(indices: list[int], original: Any) -> list[int]:
     negative = [i for i in indices if i < 0]
     if negative:
         raise ValueError(f"devices={original!r} holds negative indices {negative}; indices start at 0")
+    if max(indices) > MOST:
+        raise ValueError(f"devices={shown(original)} holds an index above {MOST}; indices are such as [0, 1]")
     dupes = sorted({i for i in indices if indices.count(i) > 1})
     if dupes:
         raise ValueError(

@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from torchrig import arguments
 from torchrig.accelerators import Accelerator
 from torchrig.collections import move_to_device
 from torchrig.data import RigDataLoader, rebuild_with_sampler
@@ -269,6 +270,10 @@ class Rig:
                 f"clip_gradients() takes exactly one of max_norm= or clip_val= "
                 f"(got max_norm={max_norm!r}, clip_val={clip_val!r})"
             )
+        if max_norm is not None:
+            max_norm = arguments.clip_threshold("max_norm", max_norm)
+        if clip_val is not None:
+            clip_val = arguments.clip_threshold("clip_val", clip_val)
         raw = optimizer.optimizer if isinstance(optimizer, RigOptimizer) else optimizer
         self.precision.unscale_gradients(raw)
         params = [p for g in raw.param_groups for p in g["params"] if p.grad is not None]
@@ -416,8 +421,7 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 
 def seed_everything(seed: int) -> int:
     """Seed Python's ``random``, NumPy and torch on the CPU and every device."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed={seed!r} must be an int")
+    arguments.seed("seed", seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # seeds every device type as well

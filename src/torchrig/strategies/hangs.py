@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+from torchrig.arguments import as_float, shown
+
 KEEP = 8
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT = re.compile(r"timed? ?out", re.IGNORECASE)
@@ -104,9 +106,14 @@ def as_timeout(value: Any) -> timedelta:
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        seconds = as_float(value)
     else:
         raise TypeError(f"timeout={value!r} must be seconds (a number) or a datetime.timedelta")
     if not seconds > 0:
-        raise ValueError(f"timeout={value!r} must be positive")
+        raise ValueError(f"timeout={shown(value)} must be positive")
+    if seconds > _MOST_SECONDS:
+        raise ValueError(f"timeout={shown(value)} is longer than a timedelta holds ({_MOST_SECONDS:g} s)")
     return timedelta(seconds=seconds)
+
+
+_MOST_SECONDS = timedelta.max.total_seconds() - 86400.0

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from torchrig import arguments
 from torchrig.collections import apply_to_tensors
 from torchrig.rig import Rig
 from torchrig.trainer import loops
@@ -107,9 +108,8 @@ class Trainer:
         self.max_epochs = default_epochs if max_epochs is None else _int_at_least("max_epochs", max_epochs, -1)
         self.max_time = _parse_time(max_time)
         self.accumulate_grad_batches = _int_at_least("accumulate_grad_batches", accumulate_grad_batches, 1)
-        if gradient_clip_val is not None and (not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0):
-            raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0, or None for no clipping")
-        self.gradient_clip_val = None if gradient_clip_val in (None, 0) else float(gradient_clip_val)
+        clip = None if gradient_clip_val is None else arguments.clip_threshold("gradient_clip_val", gradient_clip_val)
+        self.gradient_clip_val = clip or None  # 0 clips nothing
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; use 'norm' or 'value'")
         self.gradient_clip_algorithm = gradient_clip_algorithm
@@ -124,10 +124,9 @@ class Trainer:
         if deterministic not in (None, True, False, "warn"):
             raise ValueError(f"deterministic={deterministic!r}; use True, False, 'warn' or None")
         self.deterministic = deterministic
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed={seed!r} must be an int or None")
-        self.seed = seed
-        self.default_root_dir = Path(default_root_dir if default_root_dir is not None else os.getcwd())
+        self.seed = None if seed is None else arguments.seed("seed", seed)
+        root = os.getcwd() if default_root_dir is None else arguments.path("default_root_dir", default_root_dir)
+        self.default_root_dir = Path(root)
         self.rig = Rig(
             accelerator=accelerator,
             devices=devices,
@@ -433,10 +432,7 @@ def _worker(rig: Rig, trainer: Trainer, body: Callable[..., Any], spawned: bool,
 
 
 # -- argument checks ---------------------------------------------------------------------------
-def _int_at_least(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low}")
-    return value
+_int_at_least = arguments.int_in_range
 
 
 def _limit(name: str, value: Any, allow_zero: bool = True) -> int | float:
@@ -452,31 +448,28 @@ def _limit(name: str, value: Any, allow_zero: bool = True) -> int | float:
     )
 
 
+_TIME_FORMS = ": give seconds (> 0), a datetime.timedelta, or 'DD:HH:MM:SS'"
+
+
 def _parse_time(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, datetime.timedelta):
         return value.total_seconds()
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return arguments.finite_at_least("max_time", value, 0.0, strict=True, hint=_TIME_FORMS)
     if isinstance(value, str):
         parts = value.split(":")
         if len(parts) == 4 and all(p.isdigit() for p in parts):
             d, h, m, s = (int(p) for p in parts)
-            return float(((d * 24 + h) * 60 + m) * 60 + s)
-    raise ValueError(f"max_time={value!r}: give seconds (> 0), a datetime.timedelta, or 'DD:HH:MM:SS'")
+            return arguments.finite_at_least("max_time", ((d * 24 + h) * 60 + m) * 60 + s, hint=_TIME_FORMS)
+    raise ValueError(f"max_time={value!r}{_TIME_FORMS}")
 
 
 def _callbacks(given: Any, checkpointing: bool, progress_bar: bool) -> list[Callback]:
-    if given is None:
-        found: list[Callback] = []
-    elif isinstance(given, Callback):
-        found = [given]
-    else:
-        found = list(given)
-    bad = [type(c).__name__ for c in found if not isinstance(c, Callback)]
-    if bad:
-        raise TypeError(f"callbacks must be torchrig Callback objects; got {', '.join(bad)}")
+    found: list[Callback] = (
+        [] if given is None else arguments.instances("callbacks", given, Callback, "torchrig Callback objects")
+    )
     has_ckpt = any(isinstance(c, ModelCheckpoint) for c in found)
     if has_ckpt and not checkpointing:
         raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is in callbacks; drop one of the two")
@@ -500,8 +493,4 @@ def _loggers(given: Any, root: Path) -> list[Logger]:
         return [CSVLogger(root_dir=root)]
     if given is False or given is None:
         return []
-    found = [given] if isinstance(given, Logger) else list(given)
-    bad = [type(x).__name__ for x in found if not isinstance(x, Logger)]
-    if bad:
-        raise TypeError(f"logger must be a torchrig Logger, a list of them, True or False; got {', '.join(bad)}")
-    return found
+    return arguments.instances("logger", given, Logger, "a torchrig Logger, a list of them, True or False")

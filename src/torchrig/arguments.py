@@ -1,0 +1,83 @@
+"""The validators behind every argument the Trainer and the Rig refuse.
+
+Each takes the argument's name and value and either returns the value in its checked form or
+raises ``ValueError``/``TypeError`` whose message starts with ``name=value``. They run once, when
+the argument is given, never per step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+# The seeds torch.manual_seed accepts.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, shortened for huge values such as ``10**400``."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else f"<int of {len(str(value))} digits>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+INT64_MAX = 2**63 - 1
+
+
+def int_in_range(name: str, value: Any, low: int, high: int = INT64_MAX, hint: str = "") -> int:
+    """``value`` as an int in ``[low, high]`` (by default, what an int64 holds); bools refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={shown(value)} must be an int, not {type(value).__name__}{hint}")
+    if value < low or value > high:
+        bound = f">= {low}" if high == INT64_MAX and value < low else f"in [{low}, {high}]"
+        raise ValueError(f"{name}={shown(value)} must be an int {bound}{hint}")
+    return value
+
+
+def as_float(value: int | float) -> float:
+    """``float(value)``, with ints too large for a float as ``inf`` (``float`` raises OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def finite_at_least(name: str, value: Any, low: float = 0.0, *, strict: bool = False, hint: str = "") -> float:
+    """``value`` as a finite float ``>= low`` (``> low`` when ``strict``); refuses nan, inf and overflow."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={shown(value)} must be a number, not {type(value).__name__}{hint}")
+    number = as_float(value)
+    op = ">" if strict else ">="
+    if not math.isfinite(number) or number < low or (strict and number == low):
+        raise ValueError(f"{name}={shown(value)} must be a finite number {op} {low:g}{hint}")
+    return number
+
+
+def clip_threshold(name: str, value: Any) -> float:
+    """A gradient-clipping threshold: a finite number >= 0 (nan, inf and negatives would ruin the weights)."""
+    return finite_at_least(name, value, 0.0, hint="; pass None for no clipping")
+
+
+def seed(name: str, value: Any) -> int:
+    """A seed torch accepts: an int in ``SEED_RANGE``."""
+    return int_in_range(name, value, *SEED_RANGE)
+
+
+def path(name: str, value: Any) -> str | os.PathLike[str]:
+    """A filesystem path: ``str`` or ``os.PathLike``."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name}={shown(value)} must be a path (str or os.PathLike), not {type(value).__name__}")
+    return value
+
+
+def instances(name: str, value: Any, kind: type, what: str) -> list[Any]:
+    """One ``kind`` or an iterable of them, as a list; anything else is a TypeError naming ``name``."""
+    if isinstance(value, kind):
+        return [value]
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be {what}; got {type(value).__name__}")
+    found = list(value)
+    bad = [type(item).__name__ for item in found if not isinstance(item, kind)]
+    if bad:
+        raise TypeError(f"{name} must be {what}; got {', '.join(bad)}")
+    return found
