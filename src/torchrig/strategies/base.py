@@ -129,6 +129,10 @@ class Strategy:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order."""
+        return [obj]
+
     def barrier(self, name: str | None = None) -> None:
         return None
 

@@ -11,11 +11,12 @@ order, and the duplicates are the last ``total_size - len(dataset)`` rows of the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchrig.collections import apply_to_tensors
+from torchrig.collections import _is_container, _rebuild
 from torchrig.data import ResumableSampler
 
 if TYPE_CHECKING:
@@ -43,11 +44,36 @@ def _padding_of_current_batch(rig: Rig, batch_size: int) -> int:
     return pad if last == batch_size else 0
 
 
+def _is_object_batch(obj: Any) -> bool:
+    """A plain list or tuple of plain objects (ids, strings, numbers): one per sample, a batch."""
+    return type(obj) in (list, tuple) and not any(isinstance(v, torch.Tensor) or _is_container(v) for v in obj)
+
+
+def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], Any], on_objects: Callable[[Any], Any]) -> Any:
+    """``obj`` rebuilt with ``on_tensor`` applied to each tensor and ``on_objects`` to each other
+    leaf (a batch of plain objects counts as one leaf), always in the same order."""
+    if isinstance(obj, torch.Tensor):
+        return on_tensor(obj)
+    if _is_object_batch(obj) or not _is_container(obj):
+        return on_objects(obj)
+    return _rebuild(obj, lambda v: _walk(v, on_tensor, on_objects))
+
+
+def _interleave(per_rank: list[Sequence[Any]]) -> list[Any]:
+    """Rank ``r``'s ``i``-th item at ``i * R + r``: the order the gathered tensors get."""
+    longest = max(len(items) for items in per_rank)
+    return [items[i] for i in range(longest) for items in per_rank if i < len(items)]
+
+
 def gather_for_metrics(rig: Rig, obj: Any) -> Any:
-    """Every rank's ``obj`` (tensors, or nested collections of them) as one batch, duplicates dropped.
+    """Every rank's ``obj`` (tensors, objects, or nested collections of them) as one batch, duplicates dropped.
 
     Tensors need a batch dimension and the same shape on every rank; 0-dim tensors become a
-    ``(world_size,)`` vector. In a single process ``obj`` comes back unchanged.
+    ``(world_size,)`` vector. A plain list or tuple of objects (ids, file names, strings) is a batch
+    too: it is gathered in the same order as the tensors and loses the same padded duplicates, so
+    ``zip(out["id"], out["pred"])`` pairs every sample correctly. Any other object becomes a list
+    of every rank's value, in rank order (as a 0-dim tensor does). In a single process ``obj``
+    comes back unchanged.
 
     Example:
         >>> # preds, targets = rig.gather_for_metrics((model(x).argmax(-1), y))
@@ -64,4 +90,19 @@ def gather_for_metrics(rig: Rig, obj: Any) -> Any:
         pad = _padding_of_current_batch(rig, t.shape[0])
         return merged[: merged.shape[0] - pad] if pad else merged
 
-    return apply_to_tensors(obj, gather)
+    objects: list[Any] = []
+    _walk(obj, lambda t: t, lambda o: objects.append(o))
+    merged: list[Any] = []
+    if objects:  # one collective for every object leaf
+        per_rank = rig.strategy.all_gather_object(objects)
+        for i, mine in enumerate(objects):
+            values = [rank_objects[i] for rank_objects in per_rank]
+            if _is_object_batch(mine):
+                items = _interleave(values)
+                pad = _padding_of_current_batch(rig, len(mine))
+                items = items[: len(items) - pad] if pad else items
+                merged.append(type(mine)(items))
+            else:
+                merged.append(values)
+    leaves = iter(merged)
+    return _walk(obj, gather, lambda _: next(leaves))

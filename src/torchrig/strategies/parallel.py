@@ -289,6 +289,15 @@ class ParallelStrategy(Strategy):
             out = out / dist.get_world_size()
         return out
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order."""
+        if not self._active():
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        with self._collective("all_gather_object"):
+            dist.all_gather_object(out, obj)
+        return out
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """A tensor (same shape and dtype on every rank) or any picklable object from rank ``src``."""
         if not self._active():

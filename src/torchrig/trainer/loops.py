@@ -68,6 +68,37 @@ def num_batches(loader: Any, limit: int | float) -> int | float:
 
 
 # -- fit ----------------------------------------------------------------------------------
+def check_training_batches(tr: Trainer) -> None:
+    """Refuse, before the first epoch, a training loader that gives some process no batch.
+
+    Otherwise the fit runs ``max_epochs`` empty epochs (every epoch-end hook, scheduler and
+    validation) and trains nothing. Every process takes part in the decision (once per fit), so
+    a sampler that leaves one rank empty stops every rank, not only that one.
+    ``limit_train_batches=0`` asks for no training and is left alone.
+    """
+    n = tr.num_training_batches
+    empty_here = n == 0 and tr.limit_train_batches != 0
+    if not tr.rig.reduce_boolean_decision(empty_here, all=False):
+        return
+    loader = tr._train_loader
+    inner = getattr(loader, "loader", loader)
+    dataset = getattr(inner, "dataset", None)
+    size = f"{len(dataset)} samples" if isinstance(dataset, Sized) else "a dataset"
+    batching = f"batch_size={getattr(inner, 'batch_size', None)}, drop_last={getattr(inner, 'drop_last', False)}"
+    world = tr.rig.world_size
+    where = f" on process {tr.rig.global_rank} of {world}" if empty_here and world > 1 else ""
+    if not empty_here:
+        where = f" on another of the {world} processes"
+    limited = empty_here and isinstance(loader, Sized) and len(loader) > 0
+    limit = f" under limit_train_batches={tr.limit_train_batches}" if limited else ""
+    raise ValueError(
+        f"train_dataloaders has 0 batches{where}{limit} ({size}, {batching}), so the fit would train nothing. "
+        "Common causes: a dataset smaller than batch_size with drop_last=True; an empty dataset; with several "
+        "processes, a sampler that leaves a process's share of the dataset empty; a limit_train_batches fraction "
+        "that rounds down to 0."
+    )
+
+
 def run_fit(trainer: Trainer) -> None:
     """Sanity check, then epochs until ``max_epochs``, ``max_steps``, ``max_time`` or a stop."""
     tr, state = trainer, trainer.fit_state

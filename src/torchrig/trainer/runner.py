@@ -52,6 +52,7 @@ def run_fit_stage(
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
         tr._train_loader = _prepare_loader(tr, train, "train_dataloaders")
+        loops.check_training_batches(tr)
         _warn_if_steps_are_not_logged(tr)
         tr._eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
         tr.fit_state, tr.should_stop, tr._resumed, tr._resumed_from = loops.FitState(), False, False, None
