@@ -274,6 +274,13 @@ class Rig:
             max_norm = arguments.clip_threshold("max_norm", max_norm)
         if clip_val is not None:
             clip_val = arguments.clip_threshold("clip_val", clip_val)
+        return self._clip_checked(optimizer, max_norm, clip_val, norm_type)
+
+    def _clip_checked(
+        self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float
+    ) -> torch.Tensor | None:
+        """:meth:`clip_gradients` once its arguments are known to be good (the Trainer checks its
+        ``gradient_clip_val`` when it is built, so its steps skip the checks)."""
         raw = optimizer.optimizer if isinstance(optimizer, RigOptimizer) else optimizer
         self.precision.unscale_gradients(raw)
         params = [p for g in raw.param_groups for p in g["params"] if p.grad is not None]

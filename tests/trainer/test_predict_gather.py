@@ -133,3 +133,16 @@ def test_gather_in_one_process_returns_the_outputs_unchanged() -> None:
     rig = torchrig.Rig(accelerator="cpu")
     out = {"id": ["a", "b"], "pred": torch.ones(2)}
     assert rig.gather_for_metrics(out) is out
+
+
+class Nothing(torch.utils.data.IterableDataset[Any]):
+    def __iter__(self) -> Any:
+        return iter(())
+
+
+@pytest.mark.timeout(30)
+def test_a_training_loader_without_length_that_gives_nothing_stops_after_one_epoch(tmp_path: Path) -> None:
+    trainer = quiet_trainer(tmp_path, max_epochs=1000, val_check_interval=10)
+    with pytest.raises(ValueError, match=r"^train_dataloaders has 0 batches \(a dataset, batch_size=4, drop_last=Fals"):
+        trainer.fit(Regressor(), DataLoader(Nothing(), batch_size=4))
+    assert trainer.current_epoch == 0

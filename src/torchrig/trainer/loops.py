@@ -53,9 +53,18 @@ def loss_of(output: Any) -> torch.Tensor | None:
     )
 
 
+def length_of(loader: Any) -> int | float:
+    """``len(loader)``, or ``inf`` for one without a length (a DataLoader over an IterableDataset
+    without ``__len__`` has ``__len__`` but raises TypeError)."""
+    try:
+        return len(loader) if isinstance(loader, Sized) else math.inf
+    except TypeError:
+        return math.inf
+
+
 def num_batches(loader: Any, limit: int | float) -> int | float:
     """How many batches of ``loader`` a loop runs under ``limit_*_batches``."""
-    length: int | float = len(loader) if isinstance(loader, Sized) else math.inf
+    length = length_of(loader)
     if isinstance(limit, int):
         return min(limit, length)
     if math.isinf(length):
@@ -78,20 +87,25 @@ def check_training_batches(tr: Trainer) -> None:
     """
     n = tr.num_training_batches
     empty_here = n == 0 and tr.limit_train_batches != 0
-    if not tr.rig.reduce_boolean_decision(empty_here, all=False):
-        return
+    if tr.rig.reduce_boolean_decision(empty_here, all=False):
+        raise _no_batches(tr, empty_here)
+
+
+def _no_batches(tr: Trainer, empty_here: bool) -> ValueError:
+    """The error for a training loader that gave this process (or another one) no batch."""
     loader = tr._train_loader
     inner = getattr(loader, "loader", loader)
     dataset = getattr(inner, "dataset", None)
-    size = f"{len(dataset)} samples" if isinstance(dataset, Sized) else "a dataset"
+    samples = length_of(dataset)
+    size = "a dataset" if math.isinf(samples) else f"{samples} samples"
     batching = f"batch_size={getattr(inner, 'batch_size', None)}, drop_last={getattr(inner, 'drop_last', False)}"
     world = tr.rig.world_size
     where = f" on process {tr.rig.global_rank} of {world}" if empty_here and world > 1 else ""
     if not empty_here:
         where = f" on another of the {world} processes"
-    limited = empty_here and isinstance(loader, Sized) and len(loader) > 0
+    limited = empty_here and 0 < length_of(loader) < math.inf
     limit = f" under limit_train_batches={tr.limit_train_batches}" if limited else ""
-    raise ValueError(
+    return ValueError(
         f"train_dataloaders has 0 batches{where}{limit} ({size}, {batching}), so the fit would train nothing. "
         "Common causes: a dataset smaller than batch_size with drop_last=True; an empty dataset; with several "
         "processes, a sampler that leaves a process's share of the dataset empty; a limit_train_batches fraction "
@@ -153,6 +167,8 @@ def run_train_epoch(tr: Trainer) -> None:
             close = getattr(batches, "close", None)
             if close is not None:
                 close()
+        if state.batch_idx == 0 and math.isinf(n):  # a loader without a length that gave nothing
+            raise _no_batches(tr, True)
     _end_train_epoch(tr)
 
 
@@ -272,10 +288,10 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
 
 
 def _clip_gradients(tr: Trainer, module: torch.nn.Module, optimizers: list[Any]) -> None:
-    clip = tr.gradient_clip_val
+    clip = tr.gradient_clip_val  # checked when the Trainer was built (arguments.clip_threshold)
     max_norm, clip_val = (clip, None) if tr.gradient_clip_algorithm == "norm" else (None, clip)
     for opt in optimizers:
-        tr.rig.clip_gradients(module, opt, max_norm=max_norm, clip_val=clip_val)
+        tr.rig._clip_checked(opt, max_norm, clip_val, 2.0)
 
 
 def step_schedulers(tr: Trainer, interval: str, count: int) -> None:

@@ -226,7 +226,8 @@ class Trainer:
 
     @property
     def num_training_batches(self) -> int | float:
-        return loops.num_batches(self._train_loader, self.limit_train_batches) if self._train_loader else 0
+        loader = self._train_loader
+        return 0 if loader is None else loops.num_batches(loader, self.limit_train_batches)
 
     @property
     def num_val_batches(self) -> list[int | float]:
