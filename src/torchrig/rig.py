@@ -432,5 +432,5 @@ def seed_everything(seed: int) -> int:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # seeds every device type as well
-    os.environ["PYTHONHASHSEED"] = str(seed)
+    os.environ["PYTHONHASHSEED"] = str(seed % 2**32)  # what Python accepts: a child fails to start otherwise
     return seed

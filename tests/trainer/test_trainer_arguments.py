@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from torchrig.rig import seed_everything
         ({"devices": [2**63]}, ValueError, "devices=[9223372036854775808] holds an index above 65536"),
         ({"max_time": 10**400}, ValueError, "max_time=<int of 401 digits> must be a finite number > 0"),
         ({"max_time": math.nan}, ValueError, "max_time=nan must be a finite number > 0"),
+        ({"max_time": "00:00:00:" + "9" * 400}, ValueError, "max_time='00:00:00:9999"),
+        ({"max_time": "00:00:00:\u00b2"}, ValueError, "max_time='00:00:00:\u00b2': give seconds (> 0)"),
         ({"accumulate_grad_batches": 10**400}, ValueError, "accumulate_grad_batches=<int of 401 digits> must be"),
         ({"max_epochs": 1.5}, TypeError, "max_epochs=1.5 must be an int, not float"),
         ({"seed": 10**40}, ValueError, "seed=<int of 41 digits> must be an int in [-9223372036854775808, "),
@@ -59,10 +62,14 @@ def test_clip_gradients_refuses_nan_inf_and_negative(bad: float) -> None:
     assert all(torch.equal(b, p.grad) for b, p in zip(before, model.parameters(), strict=True))
 
 
-def test_seed_everything_refuses_seeds_torch_cannot_take() -> None:
+def test_seed_everything_refuses_seeds_torch_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # restored after the test
     with pytest.raises(ValueError, match=r"seed=<int of 41 digits> must be an int in \["):
         seed_everything(10**40)
-    assert seed_everything(2**64 - 1) == 2**64 - 1
+    for seed in (2**64 - 1, -5):
+        assert seed_everything(seed) == seed
+        # a child process started now must accept the hash seed (Python takes 0 to 2**32 - 1)
+        assert 0 <= int(os.environ["PYTHONHASHSEED"]) < 2**32
 
 
 @pytest.mark.timeout(30)

@@ -54,6 +54,8 @@ def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], Any], on_objects: Callab
     leaf (a batch of plain objects counts as one leaf), always in the same order."""
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
+    if obj is None:  # nothing to gather (a predict_step that returns None)
+        return None
     if _is_object_batch(obj) or not _is_container(obj):
         return on_objects(obj)
     return _rebuild(obj, lambda v: _walk(v, on_tensor, on_objects))
@@ -71,8 +73,8 @@ def gather_for_metrics(rig: Rig, obj: Any) -> Any:
     Tensors need a batch dimension and the same shape on every rank; 0-dim tensors become a
     ``(world_size,)`` vector. A plain list or tuple of objects (ids, file names, strings) is a batch
     too: it is gathered in the same order as the tensors and loses the same padded duplicates, so
-    ``zip(out["id"], out["pred"])`` pairs every sample correctly. Any other object becomes a list
-    of every rank's value, in rank order (as a 0-dim tensor does). In a single process ``obj``
+    ``zip(out["id"], out["pred"])`` pairs every sample correctly. ``None`` stays ``None``; any other
+    object becomes a list of every rank's value, in rank order (as a 0-dim tensor does). In a single process ``obj``
     comes back unchanged.
 
     Example:

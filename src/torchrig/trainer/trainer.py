@@ -461,10 +461,11 @@ def _parse_time(value: Any) -> float | None:
         return arguments.finite_at_least("max_time", value, 0.0, strict=True, hint=_TIME_FORMS)
     if isinstance(value, str):
         parts = value.split(":")
-        if len(parts) == 4 and all(p.isdigit() for p in parts):
+        # ASCII digits only ('²'.isdigit() is True, int('²') fails), and few enough for a float
+        if len(parts) == 4 and all(p.isascii() and p.isdigit() and len(p) <= 12 for p in parts):
             d, h, m, s = (int(p) for p in parts)
-            return arguments.finite_at_least("max_time", ((d * 24 + h) * 60 + m) * 60 + s, hint=_TIME_FORMS)
-    raise ValueError(f"max_time={value!r}{_TIME_FORMS}")
+            return float(((d * 24 + h) * 60 + m) * 60 + s)
+    raise ValueError(f"max_time={arguments.shown(value)}{_TIME_FORMS}")
 
 
 def _callbacks(given: Any, checkpointing: bool, progress_bar: bool) -> list[Callback]:
