@@ -14,6 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from torchrig import ACCELERATOR_REGISTRY, STRATEGY_REGISTRY  # noqa: E402
 
+_SESSION_ENVIRON = dict(os.environ)
+_RANK_VARS = (
+    "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
+)
 _BUILTIN_ENTRIES = [(r, dict(r._entries)) for r in (ACCELERATOR_REGISTRY, STRATEGY_REGISTRY)]
 
 
@@ -42,8 +46,19 @@ def _restore_registries() -> None:
 
 
 def python_env() -> dict[str, str]:
-    """The environment for subprocesses: this interpreter, torchrig importable, one thread."""
+    """The environment for subprocesses: this interpreter, torchrig importable, one thread.
+
+    A Rig that starts the other ranks from this process (FSDP or DDP in one process, in a test or
+    a module-scoped fixture) leaves its rank variables in ``os.environ`` for code that reads them;
+    a subprocess that inherited them would take itself for a rank of that finished run. They
+    are passed on only as the session started with them.
+    """
     env = dict(os.environ)
+    for var in _RANK_VARS:
+        if var in _SESSION_ENVIRON:
+            env[var] = _SESSION_ENVIRON[var]
+        else:
+            env.pop(var, None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
