@@ -82,8 +82,9 @@ ROOT = HERE.parents[1]
 
 def subprocess_env() -> dict[str, str]:
     """A child's environment: torchrig and these helpers importable, one thread, unbuffered output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRIG_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(HERE), env.get("PYTHONPATH", "")])
+    from conftest import python_env
+
+    env = {k: v for k, v in python_env().items() if not k.startswith("TORCHRIG_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 import torchrig
+from conftest import python_env
 from torchrig.checkpoint import files
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # One process imports torch once, then for every k forks a child that saves step 2 over step 1
 # (same name, ``last`` pointing at it) and dies (os._exit: no clean-up, as SIGKILL) at its k-th
@@ -93,7 +92,7 @@ print(json.dumps(results))
 def _kill_everywhere(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = python_env()
     out = subprocess.run(
         [sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=100, env=env
     )
