@@ -399,6 +399,31 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(
     _assert_previous_survives(rig, tmp_path)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
+@pytest.mark.timeout(60)
+def test_a_full_disk_in_a_sharded_save_says_so_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP wraps each rank's error in its own CheckpointException: the full disk is found inside."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    model = rig.prepare(nn.Linear(64, 64))
+    rig.save(tmp_path / "step-1", {"model": model, "step": 1})
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    with pytest.raises(CheckpointError, match=NO_SPACE.format(re.escape(str(tmp_path / "step-2")))):
+        rig.save(tmp_path / "step-2", {"model": model, "step": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-1"]  # no temp dir, no step-2
+    assert rig.load(tmp_path / "last", {"model": model})["step"] == 1
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Any:
     """A 1 MiB tmpfs (needs root and mount(2)); skipped where it cannot be made."""

@@ -287,6 +287,10 @@ def _no_space(err: BaseException | None) -> bool:
             return True
         if f"(os error {errno.ENOSPC})" in str(err) or f"(os error {errno.EDQUOT})" in str(err):
             return True
+        failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (error, traceback)}
+        causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
+        if any(isinstance(c, BaseException) and _no_space(c) for c in causes):
+            return True
         err = err.__cause__ or err.__context__
     return False
 

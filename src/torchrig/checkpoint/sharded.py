@@ -284,10 +284,27 @@ def save(rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None
         discard(tmp)
     msg = rig.broadcast(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
+        needed = rig.world_size * _local_bytes(shards) + core._payload_bytes({"modules": {}, "blob": payload["blob"]})
+        core.raise_no_space(error, target, needed)
         raise error
     if msg is not None or failed:
         raise RuntimeError(f"saving the sharded checkpoint {target} failed on another rank: {msg or 'see its log'}")
     return target
+
+
+def _local_bytes(shards: dict[str, Any]) -> int:
+    """The bytes of this rank's part of the tensors in ``shards`` (a DTensor counts its local shard)."""
+    total, stack = 0, [shards]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            local = x.to_local() if hasattr(x, "to_local") else x
+            total += local.nbytes
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
 
 
 def _finish(
