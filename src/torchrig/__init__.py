@@ -32,6 +32,16 @@ from torchrig.trainer.progress import ProgressBar
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``torchrig.cli`` (``torchrig.cli.CLI(MyModule, MyData)``) without importing it at ``import torchrig``."""
+    if name == "cli":
+        import importlib
+
+        return importlib.import_module("torchrig.cli")
+    raise AttributeError(f"module 'torchrig' has no attribute {name!r}")
+
+
 __all__ = [
     "ACCELERATOR_REGISTRY",
     "PRECISIONS",

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import torchrig
 from conftest import PYTHON, python_env
 from torchrig import cli
 from torchrig.commands.demo import _devices
@@ -162,6 +163,25 @@ def test_plot_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     err = capsys.readouterr().err
     assert "has no per-epoch loss or accuracy to plot; it has the columns ['lr']" in err
     assert not (tmp_path / "odd" / PNG_NAME).exists()
+
+
+@pytest.mark.timeout(30)
+def test_plot_command_takes_the_metrics_csv_itself(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_metrics(tmp_path / "run")
+    assert cli.main(["plot", str(tmp_path / "run" / "metrics.csv")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'run' / PNG_NAME}"
+    assert png_size(tmp_path / "run" / PNG_NAME) == (1000, 400)
+    (tmp_path / "notes.txt").write_text("x")  # a file that is no run: a message, not a traceback
+    assert cli.main(["plot", str(tmp_path / "notes.txt" / "deeper")]) == 2
+    assert "torchrig plot: no metrics.csv in" in capsys.readouterr().err
+
+
+def test_torchrig_cli_is_reachable_as_the_readme_writes_it() -> None:
+    code = "import torchrig; from torchrig.trainer.cli import CLI; assert torchrig.cli.CLI is CLI; print('ok')"
+    done = subprocess.run([PYTHON, "-c", code], env=python_env(), capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr
+    with pytest.raises(AttributeError, match="module 'torchrig' has no attribute 'nothing'"):
+        _ = torchrig.nothing  # type: ignore[attr-defined]
 
 
 def test_latest_run_is_the_newest_with_a_checkpoint(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "(written by the Trainer's CSVLogger) into a PNG.",
     )
     p.add_argument(
-        "run_dir", metavar="RUN_DIR", help="a run directory with a metrics.csv (e.g. runs/demo/digits/version_0)"
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a run directory with a metrics.csv (e.g. runs/demo/digits/version_0), or that metrics.csv itself",
     )
     p.add_argument("-o", "--output", help="where to write the PNG (default: RUN_DIR/learning_curves.png)")
     p.set_defaults(handler=main)
@@ -27,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
         from torchrig.demo.plot import plot_learning_curves
 
         path = plot_learning_curves(args.run_dir, args.output)
-    except (FileNotFoundError, ValueError, MissingExtraError) as err:
+    except (OSError, ValueError, MissingExtraError) as err:  # NotADirectoryError, PermissionError included
         print(f"torchrig plot: {err}", file=sys.stderr)
         return 2
     print(f"wrote {path}")

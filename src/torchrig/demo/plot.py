@@ -59,6 +59,8 @@ def _test_accuracy(rows: list[dict[str, float | int]]) -> float | None:
 def plot_learning_curves(run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | None = None) -> Path:
     """Render ``run_dir/metrics.csv`` as a PNG (default ``run_dir/learning_curves.png``); returns its path.
 
+    ``run_dir`` may also be the CSV file itself (the PNG then goes next to it).
+
     Raises:
         FileNotFoundError: ``run_dir`` has no ``metrics.csv``.
         ValueError: the file holds no per-epoch loss or accuracy to draw.
@@ -70,13 +72,15 @@ def plot_learning_curves(run_dir: str | os.PathLike[str], output: str | os.PathL
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
+    source = Path(run_dir)
+    run_dir = source.parent if source.is_file() else source  # a CSV file given: its folder is the run
+    rows = read_metrics(source)
     curves = epoch_curves(rows)
     if not curves:
         found = sorted({key for row in rows for key in row} - {"step", "epoch"})
+        csv_path = source if source.is_file() else source / "metrics.csv"
         raise ValueError(
-            f"{run_dir / 'metrics.csv'} has no per-epoch loss or accuracy to plot; it has the columns "
+            f"{csv_path} has no per-epoch loss or accuracy to plot; it has the columns "
             f"{found or 'none'}, and the plot looks for {', '.join(CURVES)} (with an epoch column)"
         )
     # The Figure API with an Agg canvas: no pyplot global state, no display needed.
