@@ -153,3 +153,46 @@ def test_cli_wants_classes() -> None:
         TypeError, match=r"CLI\(module_class=...\) takes a class, got an instance of Regressor; pass the class"
     ):
         CLI(Regressor(), Line, args=["fit"])
+
+
+def test_an_abbreviated_option_is_refused_with_the_error_first(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        CLI(Regressor, Line, args=["fit", "--trainer.max_epoch=3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "error: unrecognized arguments: --trainer.max_epoch=3"
+    assert "--help` for the options)" in err.splitlines()[1]
+    assert "usage:" not in err
+
+
+class _NoPredict(Line):
+    """Line without a predict_dataloader."""
+
+    def predict_dataloader(self) -> None:
+        raise NotImplementedError
+
+
+@pytest.mark.timeout(60)
+def test_an_error_the_run_raises_is_a_message_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    common = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"]
+    monkeypatch.delenv("JSONARGPARSE_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        CLI(Regressor, Line, args=["validate", "--ckpt_path=best", *common])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ValueError: ckpt_path='best' needs a ModelCheckpoint that has saved a checkpoint")
+    assert "Traceback" not in err
+    monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")  # the traceback, for a bug report
+    with pytest.raises(ValueError, match="ckpt_path='best' needs a ModelCheckpoint"):
+        CLI(Regressor, Line, args=["validate", "--ckpt_path=best", *common])
+
+
+def test_help_is_plain_text_without_sphinx_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        CLI(Regressor, Line, args=["fit", "--help"])
+    out = capsys.readouterr().out
+    assert "hardware, as for Rig (" in " ".join(out.split())
+    for markup in (":class:", ":func:", ":meth:", ":attr:", "``"):
+        assert markup not in out

@@ -5,18 +5,23 @@ Every ``__init__`` argument of the Trainer, the module and the datamodule become
 (``--trainer.max_epochs``, ``--model.lr``, ``--data.batch_size``), typed and documented from
 the signature and docstring by jsonargparse; ``--config file.yaml`` reads them from a file,
 ``--print_config`` prints the resolved configuration, and ``--ckpt_path`` starts from a
-checkpoint. Wrong arguments exit with jsonargparse's message and status 2. ``fit`` saves the
-resolved configuration as ``config.yaml`` in the logger's run directory.
+checkpoint. A wrong argument (an abbreviated option included) prints one ``error:`` line and a
+hint to ``--help``, and exits with status 2; an error the run raises (a checkpoint that is not
+there, a loop with no dataloader) prints ``error: ...`` and exits with status 1
+(``JSONARGPARSE_DEBUG=true`` shows the traceback of either). ``fit`` saves the resolved
+configuration as ``config.yaml`` in the logger's run directory.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter, Namespace
 
 __all__ = ["CLI", "CONFIG_FILE", "SUBCOMMANDS"]
 
@@ -29,6 +34,60 @@ SUBCOMMANDS: dict[str, str] = {
     "test": "Run the test loop once and print the metrics.",
     "predict": "Run the predict loop and return the predictions.",
 }
+
+
+#: Sphinx roles and literals in docstrings (``:class:`~torchrig.Rig```, ````"cpu"````), for plain help.
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str) -> str:
+    """Docstring markup as plain text: ``:class:`~torchrig.Rig``` -> ``Rig``, ````x```` -> ``x``."""
+    text = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), text)
+    return _LITERAL.sub(r"\1", text)
+
+
+class _PlainHelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help, with the docstrings' Sphinx markup rendered as plain text."""
+
+    def _expand_help(self, action: Any) -> str:
+        return plain_text(super()._expand_help(action))
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain_text(text))
+
+    def add_text(self, text: str | None) -> None:  # group descriptions (the classes' docstrings)
+        super().add_text(plain_text(text) if isinstance(text, str) else text)
+
+    def start_section(self, heading: str | None) -> None:  # group titles (a docstring's first line)
+        super().start_section(plain_text(heading) if isinstance(heading, str) else heading)
+
+
+def _debug() -> bool:
+    """``JSONARGPARSE_DEBUG=true``: tracebacks instead of one-line errors (jsonargparse's own switch)."""
+    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() in ("true", "1", "yes", "on")
+
+
+class _Parser(ArgumentParser):
+    """An ArgumentParser that refuses abbreviated options and says what is wrong first.
+
+    argparse would take ``--trainer.max_epoch=3`` for ``--trainer.max_epochs``, and
+    jsonargparse prints its error after the whole usage block; here the error is the first
+    line, then one hint to ``--help``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _PlainHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or _debug():
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {plain_text(message)}\n(run `{prog} --help` for the options)\n")
+        self.exit(2)
 
 
 class CLI:
@@ -95,7 +154,7 @@ class CLI:
         except (ValueError, TypeError) as err:
             # A value that parses but that the classes reject (devices=2 on a one-device
             # accelerator): the same clean message and exit status 2 as a parse error.
-            # JSONARGPARSE_DEBUG=1 shows the traceback instead.
+            # JSONARGPARSE_DEBUG=true shows the traceback instead.
             parser.error(f"{type(err).__name__}: {err}", ex=err)
         self.trainer: Any = self.config_init["trainer"]
         self.model: Any = self.config_init["model"]
@@ -103,7 +162,15 @@ class CLI:
         if self.subcommand is not None:
             if self.subcommand == "fit":
                 self._save_config(parser, section)
-            self.result = self._run(self.subcommand, section.get("ckpt_path"))
+            try:
+                self.result = self._run(self.subcommand, section.get("ckpt_path"))
+            except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
+                # What the run refused (validate --ckpt_path=best from a new process, predict with
+                # no predict_dataloader): the message, not a traceback through the loops.
+                if _debug():
+                    raise
+                sys.stderr.write(f"error: {type(err).__name__}: {err}\n")
+                raise SystemExit(1) from None
 
     # -- the parser ------------------------------------------------------------------------
     def _build_parser(self, run: bool) -> ArgumentParser:
@@ -111,7 +178,7 @@ class CLI:
         if not run:
             parser = self._class_parser(self.description)
             return parser
-        parser = ArgumentParser(description=self.description)
+        parser = _Parser(description=self.description)
         subcommands = parser.add_subcommands(required=True, dest="subcommand")
         for name, help_text in SUBCOMMANDS.items():
             sub = self._class_parser(help_text)
@@ -126,7 +193,7 @@ class CLI:
         return parser
 
     def _class_parser(self, description: str) -> ArgumentParser:
-        parser = ArgumentParser(description=description)
+        parser = _Parser(description=description)
         # ActionConfigFile also adds --print_config.
         parser.add_argument("-c", "--config", action=ActionConfigFile, help="A YAML/JSON config file (repeatable).")
         parser.add_class_arguments(self.trainer_class, "trainer", fail_untyped=False, sub_configs=True)
