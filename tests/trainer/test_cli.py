@@ -166,10 +166,15 @@ def test_an_abbreviated_option_is_refused_with_the_error_first(capsys: pytest.Ca
 
 
 class _NoPredict(Line):
-    """Line without a predict_dataloader."""
+    """Line without a predict_dataloader.
+
+    Args:
+        n: how many points.
+        batch_size: points per batch.
+    """
 
     def predict_dataloader(self) -> None:
-        raise NotImplementedError
+        raise NotImplementedError("_NoPredict defines no predict_dataloader()")
 
 
 @pytest.mark.timeout(60)
@@ -184,6 +189,10 @@ def test_an_error_the_run_raises_is_a_message_and_exit_1(
     err = capsys.readouterr().err
     assert err.startswith("error: ValueError: ckpt_path='best' needs a ModelCheckpoint that has saved a checkpoint")
     assert "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_info:
+        CLI(Regressor, _NoPredict, args=["predict", *common])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.startswith("error: NotImplementedError: _NoPredict defines no predict_dataloader()")
     monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")  # the traceback, for a bug report
     with pytest.raises(ValueError, match="ckpt_path='best' needs a ModelCheckpoint"):
         CLI(Regressor, Line, args=["validate", "--ckpt_path=best", *common])

@@ -164,12 +164,15 @@ class CLI:
                 self._save_config(parser, section)
             try:
                 self.result = self._run(self.subcommand, section.get("ckpt_path"))
-            except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
+            except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as err:
                 # What the run refused (validate --ckpt_path=best from a new process, predict with
-                # no predict_dataloader): the message, not a traceback through the loops.
+                # no predict_dataloader): the message, not a traceback through the loops. Other
+                # errors (torch's RuntimeErrors, a bug) keep their traceback.
                 if _debug():
                     raise
-                sys.stderr.write(f"error: {type(err).__name__}: {err}\n")
+                sys.stderr.write(
+                    f"error: {type(err).__name__}: {err}\n(set JSONARGPARSE_DEBUG=true to see where it was raised)\n"
+                )
                 raise SystemExit(1) from None
 
     # -- the parser ------------------------------------------------------------------------
