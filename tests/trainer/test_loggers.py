@@ -200,7 +200,7 @@ def test_tensorboard_writes_event_files_readable_by_tensorboard(tmp_path: Path) 
 def test_tensorboard_missing_says_how_to_install(tmp_path: Path) -> None:
     with (
         mock.patch.dict("sys.modules", {"torch.utils.tensorboard": None}),
-        pytest.raises(ImportError, match=r"pip install torchrig\[tensorboard\]"),
+        pytest.raises(ImportError, match=r"install it with `pip install tensorboard` \(in a clone of torchrig: "),
     ):
         TensorBoardLogger(root_dir=tmp_path)
 

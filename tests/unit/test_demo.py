@@ -105,9 +105,10 @@ def test_devices_option_parses_counts_and_lists() -> None:
 def test_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))
-    with pytest.raises(MissingExtraError, match=r"needs scikit-learn, which is not installed.*torchrig\[demo\]"):
+    wanted = r"needs scikit-learn, which is not installed.*pip install scikit-learn matplotlib"
+    with pytest.raises(MissingExtraError, match=wanted):
         require_extras()
-    assert INSTALL_HINT == "pip install 'torchrig[demo]'"
+    assert INSTALL_HINT == "pip install scikit-learn matplotlib (or, in a clone of torchrig, pip install -e '.[demo]')"
 
 
 def test_demo_command_without_the_extra_says_how_to_install(
@@ -119,7 +120,7 @@ def test_demo_command_without_the_extra_says_how_to_install(
     assert cli.main(["demo", "--root-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "scikit-learn and matplotlib, which are not installed" in err
-    assert "pip install 'torchrig[demo]'" in err
+    assert "pip install scikit-learn matplotlib (or, in a clone of torchrig, pip install -e '.[demo]')" in err
     assert not any(tmp_path.iterdir())  # nothing was started
 
 
@@ -294,4 +295,4 @@ def test_demo_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for option in ("--accelerator", "--devices", "--strategy", "--precision", "--max-epochs", "--resume", "--root-dir"):
         assert option in text
-    assert "pip install 'torchrig[demo]'" in text
+    assert "pip install scikit-learn matplotlib (in a clone of torchrig: pip install -e '.[demo]')" in text

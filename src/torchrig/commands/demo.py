@@ -23,11 +23,12 @@ def _devices(value: str) -> int | str:
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "demo",
-        help="train a small CNN on scikit-learn's handwritten digits with the Trainer (needs torchrig[demo])",
+        help="train a small CNN on scikit-learn's handwritten digits with the Trainer (needs scikit-learn, matplotlib)",
         description="Train a small convolutional network on the 1,797 handwritten digits that ship with "
         "scikit-learn (nothing is downloaded), validating each epoch and testing on a held-out split at the "
         "end. Writes a run directory (checkpoint, metrics.csv, learning_curves.png) under --root-dir. "
-        "Needs the demo extra: pip install 'torchrig[demo]'.",
+        "Needs scikit-learn and matplotlib: pip install scikit-learn matplotlib (in a clone of torchrig: "
+        "pip install -e '.[demo]').",
     )
     p.add_argument("--accelerator", default="auto", help="auto, cpu, cuda, gpu, mps, xpu, tpu or a registered name")
     p.add_argument(

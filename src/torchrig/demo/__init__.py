@@ -7,14 +7,15 @@ The pieces are importable on their own:
 - :mod:`torchrig.demo.model`: :class:`~torchrig.demo.model.DigitsCNN`, a ``TrainingModule``.
 - :mod:`torchrig.demo.plot`: the learning-curve PNG of any run directory with a ``metrics.csv``.
 
-scikit-learn and matplotlib are the optional extra ``demo``: ``pip install 'torchrig[demo]'``.
+scikit-learn and matplotlib are the optional extra ``demo``: ``pip install -e '.[demo]'`` in a clone of torchrig
+(it is not on the package index), or ``pip install scikit-learn matplotlib``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-INSTALL_HINT = "pip install 'torchrig[demo]'"
+INSTALL_HINT = "pip install scikit-learn matplotlib (or, in a clone of torchrig, pip install -e '.[demo]')"
 
 #: import name -> the package that provides it
 _EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib"}

@@ -271,7 +271,7 @@ class CSVLogger(_BufferedLogger):
 class TensorBoardLogger(_BufferedLogger):
     """Writes TensorBoard event files (and ``hparams.yaml``) into ``<root_dir>/<name>/version_N``.
 
-    Needs the ``tensorboard`` package: ``pip install torchrig[tensorboard]``. Arguments as for
+    Needs the ``tensorboard`` package: ``pip install tensorboard``. Arguments as for
     :class:`CSVLogger`.
 
     Example:
@@ -296,7 +296,8 @@ class TensorBoardLogger(_BufferedLogger):
         except ImportError as err:  # torch raises ImportError when tensorboard is missing
             raise ImportError(
                 "TensorBoardLogger needs the tensorboard package, which is not installed; "
-                "install it with `pip install torchrig[tensorboard]` (or `pip install tensorboard`), "
+                "install it with `pip install tensorboard` "
+                "(in a clone of torchrig: `pip install -e '.[tensorboard]'`), "
                 "or use CSVLogger"
             ) from err
         super().__init__(
