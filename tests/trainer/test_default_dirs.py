@@ -101,8 +101,9 @@ trainer = torchrig.Trainer(
     default_root_dir=sys.argv[1], log_every_n_steps=1,
 )
 trainer.fit(Regressor(), loader(16), ckpt_path="last")
-print("rank", trainer.rig.global_rank, "dir", trainer.checkpoint_callback.resolve_dirpath(trainer), "step",
-      trainer.global_step)
+# One write per line: unbuffered print writes each piece apart, and the two ranks share the pipe.
+line = f"rank {trainer.rig.global_rank} dir {trainer.checkpoint_callback.resolve_dirpath(trainer)} step "
+sys.stdout.write(line + f"{trainer.global_step}\n")
 """
 
 

@@ -107,10 +107,12 @@ def test_steps_between_refreshes_convert_nothing() -> None:
     with mock.patch.object(torch.Tensor, "tolist", counting), mock.patch.object(torch.Tensor, "item") as item:
         for i in range(200):
             bar.on_train_batch_end(trainer, None, torch.tensor(float(i)), None, i)  # type: ignore[arg-type]
+        # 200 steps: the first one draws (nothing was drawn yet), then none is due: one transfer
+        assert calls["n"] == 1 and item.call_count == 0
         bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
-        assert calls["n"] == 0 and item.call_count == 0  # short epochs are not redrawn each
+        assert calls["n"] == 2 and item.call_count == 0  # the epoch's line: one transfer for loss and metrics
         bar.on_fit_end(trainer, None)  # type: ignore[arg-type]
-        assert calls["n"] == 1  # the final redraw: one transfer for loss and metrics together
+        assert calls["n"] == 3  # the final redraw
 
 
 def test_the_position_comes_from_batch_idx_so_sparse_calls_and_resumes_show_it() -> None:
@@ -221,3 +223,18 @@ def test_with_the_trainer_plain_lines_and_the_default_csv_logger(tmp_path: Path)
     for line, step in ((lines[1], 4), (lines[3], 8)):
         loss = float(re.search(r"loss=([\d.]+)", line).group(1))  # type: ignore[union-attr]
         assert loss == pytest.approx(next(r["train_loss"] for r in rows if r["step"] == step), rel=1e-3)
+
+
+def test_short_epochs_in_a_terminal_show_their_steps_metrics_and_a_line_each() -> None:
+    """Epochs shorter than refresh_interval: no redraw is due within one, yet each leaves its
+    finished line (steps, rate, loss, metrics) above the bar, and no frame is stuck at 0/N."""
+    out = io.StringIO()
+    bar = ProgressBar(refresh_interval=3600, console=Console(file=out, force_terminal=True, width=200))
+    trainer = fake_trainer()
+    run_fit(bar, trainer, epochs=2)
+    text = ANSI.sub("", out.getvalue())
+    finished = [line for line in text.splitlines() if re.match(r"\s*Epoch \d/2: 4 steps in", line)]
+    assert len(finished) == 2, text
+    assert re.search(r"Epoch 1/2: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.25 acc=0\.5", finished[0])
+    assert "Epoch 2/2: 4 steps in" in finished[1]
+    assert "4/4" in text and "0/4" not in text

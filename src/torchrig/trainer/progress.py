@@ -1,13 +1,16 @@
 """``ProgressBar``: a rich progress bar for fit/validate/test/predict, or plain lines.
 
 In a terminal (or Jupyter) it draws one bar for training and one for the evaluation running,
-with it/s, ETA, the loss and the metrics logged with ``prog_bar=True``. Elsewhere (a log file,
-CI) it prints one line per training epoch and per evaluation with the metrics.
+with it/s, ETA, the loss and the metrics logged with ``prog_bar=True``, and leaves one finished
+line per epoch above the bar (the same line plain output prints), so the history stays on screen
+and an epoch shorter than ``refresh_interval`` still shows its steps, rate and metrics. Elsewhere
+(a log file, CI) it prints one line per training epoch and per evaluation with the metrics.
 
 The bar costs nothing measurable: the Trainer calls its training batch end at most every
 ``refresh_interval`` seconds and for the last batch of an epoch (a clock read per step, no call;
 see :mod:`torchrig.trainer.callbacks`); the screen is redrawn at most that often, and only then
-are the metrics (device tensors) converted to numbers, with one host-device sync per device.
+are the metrics (device tensors) converted to numbers, with one host-device sync per device; and
+once per epoch, for its finished line.
 """
 
 from __future__ import annotations
@@ -97,20 +100,23 @@ class ProgressBar(Callback):
         if _rank_zero(trainer) and self.is_live:
             self._start(owned=True)
             if at:
-                self._show_train(trainer)
+                self._show_train(trainer, refresh=self._due())
 
-    def _show_train(self, trainer: Trainer) -> None:
+    def _show_train(self, trainer: Trainer, *, refresh: bool) -> None:
         if self._progress is not None:
             desc = f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}"
             fields = self._train.fields(self._metrics_text)
             self._progress.update(self._train_task, description=desc, visible=True, **fields)
-            if self._due():
+            if refresh:
                 self._progress.refresh()
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._loss = None
         self._train.start(_total(getattr(trainer, "num_training_batches", None)))
-        self._show_train(trainer)
+        # Not drawn now: a frame of "0/N" would take the rate limit's turn from the epoch's
+        # batches (short epochs then only ever showed 0/N). The next due batch or the epoch's
+        # finished line draws it.
+        self._show_train(trainer, refresh=False)
 
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
@@ -126,15 +132,15 @@ class ProgressBar(Callback):
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if not _rank_zero(trainer):
             return
-        if self._progress is not None:
-            if self._due():  # short epochs: redrawn at the rate limit, not once each
-                self._draw_train(trainer)
-            return
+        metrics = self._train_metrics(trainer)  # one transfer an epoch, for its finished line
         line = (
             f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}: "
             f"{self._train.done()} steps in {self._train.elapsed():.2f}s ({self._train.rate():.1f} it/s)"
         )
-        self.console.print(_join(line, self._train_metrics(trainer)), highlight=False, soft_wrap=True)
+        if self._progress is not None:  # the bar at the epoch's end, then the line printed above it
+            self._update_train(trainer, metrics)
+            self._last_draw = time.perf_counter()  # printing redraws the live bar below the line
+        self.console.print(_join(line, metrics), highlight=False, soft_wrap=True)
 
     def on_fit_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if self._progress is not None:
@@ -223,9 +229,10 @@ class ProgressBar(Callback):
         if self._progress is not None:
             self._progress.refresh()
 
-    def _update_train(self, trainer: Trainer) -> None:
+    def _update_train(self, trainer: Trainer, metrics: dict[str, float] | None = None) -> None:
         if self._progress is not None:
-            self._metrics_text = " ".join(f"{k}={_fmt(v)}" for k, v in self._train_metrics(trainer).items())
+            metrics = self._train_metrics(trainer) if metrics is None else metrics
+            self._metrics_text = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
             self._progress.update(self._train_task, **self._train.fields(self._metrics_text))
 
     def _train_metrics(self, trainer: Trainer) -> dict[str, float]:
