@@ -3,7 +3,8 @@
 In a terminal (or Jupyter) it draws one bar for training and one for the evaluation running,
 with it/s, ETA, the loss and the metrics logged with ``prog_bar=True``, and leaves one finished
 line per epoch above the bar (the same line plain output prints), so the history stays on screen
-and an epoch shorter than ``refresh_interval`` still shows its steps, rate and metrics. Elsewhere
+and an epoch shorter than ``refresh_interval`` still shows its steps, rate and metrics (lines of
+short epochs are printed together, at most every ``refresh_interval``). Elsewhere
 (a log file, CI) it prints one line per training epoch and per evaluation with the metrics.
 
 The bar costs nothing measurable: the Trainer calls its training batch end at most every
@@ -72,6 +73,7 @@ class ProgressBar(Callback):
         self._loss: Any = None
         self._metrics_text = ""  # the training bar's metrics as last drawn
         self._logged_before: dict[str, Any] = {}
+        self._finished: list[str] = []  # epochs' finished lines not yet printed above the live bar
 
     @property
     def console(self) -> Console:
@@ -137,10 +139,20 @@ class ProgressBar(Callback):
             f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}: "
             f"{self._train.done()} steps in {self._train.elapsed():.2f}s ({self._train.rate():.1f} it/s)"
         )
-        if self._progress is not None:  # the bar at the epoch's end, then the line printed above it
-            self._update_train(trainer, metrics)
-            self._last_draw = time.perf_counter()  # printing redraws the live bar below the line
-        self.console.print(_join(line, metrics), highlight=False, soft_wrap=True)
+        if self._progress is None:
+            self.console.print(_join(line, metrics), highlight=False, soft_wrap=True)
+            return
+        # The bar at the epoch's end, and the line printed above it. Printing redraws the live bar
+        # (about a millisecond), so lines are printed together at most every refresh_interval.
+        self._update_train(trainer, metrics)
+        self._finished.append(_join(line, metrics))
+        if self._due():
+            self._print_finished()
+
+    def _print_finished(self) -> None:
+        if self._finished:
+            self.console.print("\n".join(self._finished), highlight=False, soft_wrap=True)
+            self._finished.clear()
 
     def on_fit_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if self._progress is not None:
@@ -220,6 +232,7 @@ class ProgressBar(Callback):
 
     def _stop(self) -> None:
         if self._progress is not None:
+            self._print_finished()
             self._progress.stop()  # draws the final state
         self._progress = None
         self._owns_progress = False
