@@ -12,7 +12,6 @@ import pytest
 from conftest import PYTHON, ROOT, python_env
 
 README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
 
 
 def run_block(code: str, cwd: Path) -> str:

@@ -175,6 +175,27 @@ def test_hparams_yaml(tmp_path: Path) -> None:
     assert saved == {"lr": 0.1, "layers": [64, 64], "path": str(tmp_path), "opt": {"name": "sgd"}}
 
 
+def test_a_fit_writes_hparams_yaml_only_for_a_module_with_hparams(tmp_path: Path) -> None:
+    from trainer_helpers import Regressor, loader
+
+    import torchrig
+
+    with_hparams = Regressor()
+    with_hparams.hparams = {"lr": 0.1, "hidden": 8}
+    for module, name in ((with_hparams, "with"), (Regressor(), "without")):
+        trainer = torchrig.Trainer(
+            max_epochs=1, log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False,
+            default_root_dir=tmp_path / name,
+        )
+        trainer.fit(module, loader(16))
+        run = tmp_path / name / "torchrig_logs" / "version_0"
+        assert (run / "metrics.csv").is_file()
+        if name == "with":
+            assert yaml.safe_load((run / "hparams.yaml").read_text()) == {"lr": 0.1, "hidden": 8}
+        else:
+            assert not (run / "hparams.yaml").exists()
+
+
 def test_read_metrics_explains_a_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no metrics.csv in .*; pass a run directory a CSVLogger wrote"):
         read_metrics(tmp_path)
