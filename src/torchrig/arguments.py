@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 from typing import Any
 
 # The seeds torch.manual_seed accepts.
@@ -81,3 +82,21 @@ def instances(name: str, value: Any, kind: type, what: str) -> list[Any]:
     if bad:
         raise TypeError(f"{name} must be {what}; got {', '.join(bad)}")
     return found
+
+
+def timeout(value: Any) -> timedelta:
+    """``timeout=`` as a timedelta: seconds (int or float > 0) or a positive timedelta."""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = as_float(value)
+    else:
+        raise TypeError(f"timeout={value!r} must be seconds (a number) or a datetime.timedelta")
+    if not seconds > 0:
+        raise ValueError(f"timeout={shown(value)} must be positive")
+    if seconds > _MOST_SECONDS:
+        raise ValueError(f"timeout={shown(value)} is longer than a timedelta holds ({_MOST_SECONDS:g} s)")
+    return timedelta(seconds=seconds)
+
+
+_MOST_SECONDS = timedelta.max.total_seconds() - 86400.0

@@ -75,10 +75,9 @@ class Rig:
             accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, num_nodes=num_nodes
         )
         if timeout is not None:  # how long a collective waits for the other ranks; one process never waits
-            from torchrig.strategies.hangs import as_timeout
             from torchrig.strategies.parallel import ParallelStrategy
 
-            seconds = as_timeout(timeout)
+            seconds = arguments.timeout(timeout)
             if isinstance(self.strategy, ParallelStrategy):
                 self.strategy.timeout = seconds
         # Weak, so an object that died cannot make a new one at the same id() look prepared.

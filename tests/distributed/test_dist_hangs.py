@@ -8,7 +8,8 @@ import pytest
 from dist_helpers import SCRIPTS, explain, run
 
 import torchrig
-from torchrig.strategies.hangs import CollectiveTimeoutError, as_timeout, collective
+from torchrig.arguments import timeout as as_timeout
+from torchrig.strategies.hangs import CollectiveTimeoutError, collective
 
 
 @pytest.mark.distributed

@@ -20,9 +20,6 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
-
-from torchrig.arguments import as_float, shown
 
 KEEP = 8
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,21 +96,3 @@ def explain(entry: tuple[int, str, str], rank: int, world_size: int, timeout: ti
         "(Rig(timeout=) or the strategy's timeout=) - the ranks are not in the same collective:"
     )
     return f"{head}\n  " + ";\n  ".join(lines) + f"{before}.\nThe backend said: {err}"
-
-
-def as_timeout(value: Any) -> timedelta:
-    """``timeout=`` as a timedelta: seconds (int or float > 0) or a positive timedelta."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = as_float(value)
-    else:
-        raise TypeError(f"timeout={value!r} must be seconds (a number) or a datetime.timedelta")
-    if not seconds > 0:
-        raise ValueError(f"timeout={shown(value)} must be positive")
-    if seconds > _MOST_SECONDS:
-        raise ValueError(f"timeout={shown(value)} is longer than a timedelta holds ({_MOST_SECONDS:g} s)")
-    return timedelta(seconds=seconds)
-
-
-_MOST_SECONDS = timedelta.max.total_seconds() - 86400.0

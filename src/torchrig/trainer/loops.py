@@ -100,9 +100,10 @@ def _no_batches(tr: Trainer, empty_here: bool) -> ValueError:
     size = "a dataset" if math.isinf(samples) else f"{samples} samples"
     batching = f"batch_size={getattr(inner, 'batch_size', None)}, drop_last={getattr(inner, 'drop_last', False)}"
     world = tr.rig.world_size
-    where = f" on process {tr.rig.global_rank} of {world}" if empty_here and world > 1 else ""
     if not empty_here:
         where = f" on another of the {world} processes"
+    else:
+        where = f" on process {tr.rig.global_rank} of {world}" if world > 1 else ""
     limited = empty_here and 0 < length_of(loader) < math.inf
     limit = f" under limit_train_batches={tr.limit_train_batches}" if limited else ""
     return ValueError(
