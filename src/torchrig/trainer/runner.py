@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig.data import RigDataLoader
-from torchrig.trainer import loops
+from torchrig.trainer import debugging, loops
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
 from torchrig.trainer.module import TrainingModule, parse_optimizers
 from torchrig.wrappers import RigModule
@@ -51,7 +51,7 @@ def run_fit_stage(
         optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers())
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
-        tr._train_loader = _prepare_loader(tr, train, "train_dataloaders")
+        tr._train_loader = _prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")
         loops.check_training_batches(tr)
         _warn_if_steps_are_not_logged(tr)
         tr._eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
@@ -65,7 +65,7 @@ def run_fit_stage(
             for lg in tr.loggers:
                 lg.log_hyperparams(dict(hparams))
         tr._call_callbacks("on_fit_start")
-        with _deferred_interrupt(tr):
+        with _deferred_interrupt(tr), debugging.anomaly_detection(tr):
             loops.run_fit(tr)
             if tr._interrupt_requested:  # the Ctrl-C came during the fit's last step: still an interrupt
                 loops.stop_at_step(tr)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from torchrig import arguments
 from torchrig.collections import apply_to_tensors
 from torchrig.rig import Rig
-from torchrig.trainer import loops
+from torchrig.trainer import debugging, loops
 from torchrig.trainer.callbacks import Callback, active_hooks, sparse_batch_end_hooks
 from torchrig.trainer.checkpointing import ModelCheckpoint
 from torchrig.trainer.datamodule import DataModule
@@ -65,6 +65,12 @@ class Trainer:
             most once a minute, and at the end of the fit, with the ``last`` link (``ckpt_path="last"``).
         deterministic: ``torch.use_deterministic_algorithms`` (True, False, or ``"warn"``); None leaves it.
         seed: seed Python, NumPy and torch in every process before the run.
+        fast_dev_run: ``True`` or ``N``: run 1 (or N) batches of each loop (train, validation, test,
+            predict) in one epoch, without the sanity check, loggers or checkpoints: nothing is written.
+        overfit_batches: train every epoch on the same first batches: a count (int) or a fraction of
+            the epoch (float); the training loader is not shuffled and validation uses as many batches.
+        detect_anomaly: run the fit under ``torch.autograd.set_detect_anomaly(True)`` (slow; a backward
+            that makes NaN raises and names the forward operation that led to it).
 
     Example:
         >>> # trainer = Trainer(accelerator="auto", devices=1, max_epochs=3)
@@ -102,6 +108,9 @@ class Trainer:
         enable_checkpointing: bool = True,
         deterministic: bool | str | None = None,
         seed: int | None = None,
+        fast_dev_run: bool | int = False,
+        overfit_batches: int | float = 0.0,
+        detect_anomaly: bool = False,
     ) -> None:
         self.max_steps = _int_at_least("max_steps", max_steps, -1)
         default_epochs = -1 if max_steps != -1 else 1000
@@ -137,6 +146,10 @@ class Trainer:
         )
         self.callbacks = _callbacks(callbacks, enable_checkpointing, enable_progress_bar)
         self.loggers = _loggers(logger, self.default_root_dir)
+        overfit = _limit("overfit_batches", overfit_batches)
+        self.fast_dev_run, self.overfit_batches, self.detect_anomaly = debugging.configure(
+            self, fast_dev_run, overfit, detect_anomaly
+        )
         for lg in self.loggers:
             attach = getattr(lg, "attach", None)
             if callable(attach):
@@ -183,6 +196,26 @@ class Trainer:
     @property
     def is_global_zero(self) -> bool:
         return self.rig.is_global_zero
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among all processes of the run (0 to ``world_size - 1``)."""
+        return self.rig.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank among the processes of its machine."""
+        return self.rig.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """The index of this process's machine (0 to ``num_nodes - 1``)."""
+        return self.rig.node_rank
+
+    @property
+    def world_size(self) -> int:
+        """How many processes take part in the run."""
+        return self.rig.world_size
 
     @property
     def training(self) -> bool:
