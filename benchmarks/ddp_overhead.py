@@ -8,7 +8,9 @@ speed swings by tens of percent within seconds) hits both sides of a pair alike.
 forward, backward with the gradient all-reduce, optimizer step and data loading; blocks cross
 epoch boundaries, so ``set_epoch`` and new iterators are inside the timing too. The table shows
 the median and best time per step and the median over pairs of Rig / hand-written, with its
-95% confidence interval, in wall time and in this process's CPU time. Target: <= 1.03x.
+95% confidence interval, in wall time and in this process's CPU time. Target: <= 1.03x, also for
+the third contender, the Rig loop that checks ``rig.preempted()`` after every step (an
+asynchronous all-reduce of one int per step, see torchrig.preemption).
 
     python benchmarks/ddp_overhead.py                       # ~40 s
     python benchmarks/ddp_overhead.py --blocks 400 --block-steps 10
@@ -76,8 +78,9 @@ def hand_written(batch: int) -> Callable[[], None]:
     return step
 
 
-def through_rig(batch: int) -> Callable[[], None]:
-    """One step of the same loop prepared by a Rig (ddp strategy, the same process group)."""
+def through_rig(batch: int, watch_signals: bool = False) -> Callable[[], None]:
+    """One step of the same loop prepared by a Rig (ddp strategy, the same process group);
+    ``watch_signals``: with the preemption check of docs/rig.md (``rig.preempted()`` every step)."""
     import torchrig
 
     rig = torchrig.Rig(accelerator="cpu", devices=WORLD, strategy="ddp")
@@ -94,7 +97,15 @@ def through_rig(batch: int) -> Callable[[], None]:
         optimizer.step()
         optimizer.zero_grad()
 
-    return step
+    def step_watching_signals() -> None:
+        step()
+        if rig.preempted():
+            raise SystemExit("preempted during the benchmark")
+
+    return step_watching_signals if watch_signals else step
+
+
+HAND, RIG, WATCHED = "hand-written DDP", "torchrig Rig (ddp)", "torchrig Rig (ddp) + rig.preempted()"
 
 
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -103,7 +114,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    steps = {"hand-written DDP": hand_written(args.batch), "torchrig Rig (ddp)": through_rig(args.batch)}
+    steps = {HAND: hand_written(args.batch), RIG: through_rig(args.batch), WATCHED: through_rig(args.batch, True)}
     for step in steps.values():  # warm-up: DDP's first iterations build its buckets
         for _ in range(5):
             step()
@@ -126,10 +137,10 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
 
 def report(wall: dict[str, list[float]], cpu: dict[str, list[float]], args: argparse.Namespace) -> None:
-    hand, rig = "hand-written DDP", "torchrig Rig (ddp)"
+    hand = HAND
 
-    def paired(times: dict[str, list[float]]) -> str:
-        ratios = [r / h for r, h in zip(times[rig], times[hand], strict=True)]
+    def paired(times: dict[str, list[float]], name: str) -> str:
+        ratios = [r / h for r, h in zip(times[name], times[hand], strict=True)]
         lo, hi = median_interval(ratios) or (float("nan"), float("nan"))
         return f"{statistics.median(ratios):.3f}x ({lo:.3f}-{hi:.3f})"
 
@@ -137,8 +148,8 @@ def report(wall: dict[str, list[float]], cpu: dict[str, list[float]], args: argp
     print(f"{args.blocks} blocks x {args.block_steps} steps per contender, batch {args.batch} per process\n")
     print("| contender | median ms/step | best ms/step | paired ratio, wall (95% CI) | paired ratio, CPU (95% CI) |")
     print("|---|--:|--:|--:|--:|")
-    for name in (hand, rig):
-        ratios = ("1.000x", "1.000x") if name == hand else (paired(wall), paired(cpu))
+    for name in wall:
+        ratios = ("1.000x", "1.000x") if name == hand else (paired(wall, name), paired(cpu, name))
         med, best = statistics.median(wall[name]) * 1e3, min(wall[name]) * 1e3
         print(f"| {name} | {med:.3f} | {best:.3f} | {ratios[0]} | {ratios[1]} |")
     print(f"\ncommand: python {' '.join(sys.argv)}")

@@ -14,6 +14,7 @@ from torchrig.collections import move_to_device
 from torchrig.devices import current_device_index, device_index, set_device_index
 from torchrig.diagnostics import DeviceMismatchError
 from torchrig.precision import PRECISIONS, Precision
+from torchrig.preemption import Preempted
 from torchrig.resolve import Plan, resolve
 from torchrig.rig import Rig, seed_everything
 from torchrig.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
@@ -61,6 +62,7 @@ __all__ = [
     "ModelCheckpoint",
     "Plan",
     "Precision",
+    "Preempted",
     "ProgressBar",
     "Rig",
     "SingleDeviceStrategy",

@@ -7,6 +7,7 @@ import functools
 import itertools
 import os
 import random
+import signal
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -24,6 +25,7 @@ from torchrig.accelerators import Accelerator
 from torchrig.collections import move_to_device
 from torchrig.data import RigDataLoader, rebuild_with_sampler
 from torchrig.precision import Precision
+from torchrig.preemption import SignalsLike, SignalWatch, resolve_signals
 from torchrig.resolve import Plan, resolve
 from torchrig.strategies import Strategy
 from torchrig.strategies.base import reset_parameters
@@ -84,6 +86,7 @@ class Rig:
         self._prepared: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._loaders: list[RigDataLoader] = []
         self._launched = False
+        self._signal_watch: SignalWatch | None = None
         if not self.strategy.needs_launch:
             self.strategy.setup_environment()
             self._launched = True
@@ -364,6 +367,29 @@ class Rig:
     def reduce_boolean_decision(self, flag: bool, all: bool = True) -> bool:
         """True when every rank (``all=True``) or any rank (``all=False``) says True."""
         return self.strategy.reduce_boolean_decision(flag, all=all)
+
+    def preempted(self, signals: SignalsLike = "auto") -> signal.Signals | None:
+        """The stop signal the ranks agreed on, or None: call it once per step, on every rank.
+
+        The first call installs handlers for ``signals`` (``"auto"``: SIGTERM and SIGINT, and
+        SIGUSR1 under SLURM) that only note a signal, so from then on those signals no longer kill
+        the process. Each call is collective but never waits: it returns the agreement started by
+        the previous call, so every rank sees the signal at the same step, one step after the
+        first rank got it, even when only one rank was signalled. Then save and stop::
+
+            for step, (x, y) in enumerate(loader):
+                ...
+                if sig := rig.preempted():
+                    rig.save("ckpt/last-step", {"model": model, "optimizer": optimizer, "step": step})
+                    raise torchrig.Preempted(sig)  # exit status 128 + signal number
+
+        See docs/rig.md, "Preemption".
+        """
+        watch = self._signal_watch
+        if watch is None:
+            watch = self._signal_watch = SignalWatch(self.strategy, resolve_signals(signals, "signals")).install()
+        found = watch.poll()
+        return signal.Signals(found) if found else None
 
     def rank_zero_first(self) -> contextlib.AbstractContextManager[None]:
         """Run the block on rank 0 first (say, to download), then on the others."""

@@ -65,11 +65,12 @@ def test_ctrl_c_saves_last_at_the_next_step_exits_non_zero_and_resumes_exactly(t
     stopped = _run(tmp_path, "stopped", interrupt=True)
     assert stopped.returncode in (130, -signal.SIGINT), stopped.stderr
     assert "KeyboardInterrupt" in stopped.stderr and "done at step" not in stopped.stdout
-    assert "torchrig: Ctrl-C: stopping after this step to save it" in stopped.stderr
+    said = "torchrig: SIGINT: stopping at the next optimizer step to save it; Ctrl-C again stops at once"
+    assert said in stopped.stderr
     # Not after the micro-batch the Ctrl-C came in, but at the optimizer step after it.
     last = (tmp_path / "stopped" / "checkpoints" / "last").resolve()
     assert last.name == "epoch=1-step=5"
-    assert f"KeyboardInterrupt: stopped the run; saved step 5 as {last}" in stopped.stdout
+    assert f"torchrig: SIGINT: stopped the run; saved step 5 as {last}" in stopped.stdout
     resumed = _run(tmp_path, "stopped", interrupt=False)
     assert resumed.returncode == 0, resumed.stderr
     link = tmp_path / "stopped" / "checkpoints" / "last"
@@ -104,7 +105,7 @@ def test_a_ctrl_c_in_process_saves_that_step_and_a_second_one_stops_at_once(
         once.fit(Regressor(), loader(40))
     last = (tmp_path / "once" / "checkpoints" / "last").resolve()
     assert last.name == "epoch=0-step=3" and once.interrupted and once.global_step == 3
-    assert f"KeyboardInterrupt: stopped the run; saved step 3 as {last}" in capsys.readouterr().out
+    assert f"torchrig: SIGINT: stopped the run; saved step 3 as {last}" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back after the fit
     # The second Ctrl-C raises where it lands (here, inside the callback): nothing is saved.
     twice = quiet_trainer(tmp_path / "twice", max_epochs=2, enable_checkpointing=True, callbacks=[CtrlC(3, 2)])

@@ -34,6 +34,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torchrig.preemption import stopped_for_signal
 from torchrig.strategies.environment import ClusterEnvironment, find_free_port
 
 #: Set in processes started by :class:`SubprocessLauncher`: the pid of the rank-0 process.
@@ -190,7 +191,8 @@ class SubprocessLauncher:
         while not self._done.is_set():
             for rank, proc in list(self.children.items()):
                 code = proc.poll()
-                if code is not None and code != 0:
+                # A rank that stopped for a signal has saved with the others, who stop on their own.
+                if code is not None and code != 0 and not stopped_for_signal(code):
                     _stderr(f"torchrig: rank {rank} exited with code {code}; stopping the other ranks\n")
                     self.kill()
                     os._exit(1)
@@ -224,7 +226,7 @@ class SubprocessLauncher:
             except subprocess.TimeoutExpired:
                 code = None
             code = self._exit_codes.get(rank, code)
-            if code != 0:
+            if code != 0 and not stopped_for_signal(code):
                 failed.append((rank, code))
         self._done.set()
         if failed:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 
+from torchrig.preemption import Preempted
 from torchrig.trainer.metrics import Snapshot, to_floats
 from torchrig.wrappers import RigOptimizer
 
@@ -117,6 +118,7 @@ def _no_batches(tr: Trainer, empty_here: bool) -> ValueError:
 def run_fit(trainer: Trainer) -> None:
     """Sanity check, then epochs until ``max_epochs``, ``max_steps``, ``max_time`` or a stop."""
     tr, state = trainer, trainer.fit_state
+    check_manual_optimization(tr)
     if not tr._resumed and tr.num_sanity_val_steps != 0 and tr._has_validation():
         limit = math.inf if tr.num_sanity_val_steps == -1 else tr.num_sanity_val_steps
         run_evaluation(tr, "sanity_check", limit_override=limit)
@@ -126,8 +128,9 @@ def run_fit(trainer: Trainer) -> None:
     if state.epoch_finished:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
     while not _fit_done(tr):
-        if tr._interrupt_requested:  # a Ctrl-C between epochs: the state is an epoch's end
-            stop_at_step(tr)
+        found = tr._signals.poll()  # a stop signal between epochs: the state is an epoch's end
+        if found:
+            stop_at_step(found)
         run_train_epoch(tr)
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
         if tr.should_stop:
@@ -135,11 +138,11 @@ def run_fit(trainer: Trainer) -> None:
     tr._call_module("on_train_end")
 
 
-def stop_at_step(tr: Trainer) -> NoReturn:
-    """End a fit that a Ctrl-C asked to stop, now that it is at an optimizer step (the state a
-    checkpoint saves exactly): the Trainer saves ``last``, then the ``KeyboardInterrupt`` goes on."""
-    tr._interrupt_at_step = True
-    raise KeyboardInterrupt
+def stop_at_step(signum: int) -> NoReturn:
+    """End a fit that a stop signal (agreed by every rank) asked to stop, now that it is at an
+    optimizer step, the state a checkpoint saves exactly: the Trainer saves ``last``, then exits
+    (see ``runner._on_error``)."""
+    raise Preempted(signum)
 
 
 def _fit_done(tr: Trainer) -> bool:
@@ -185,6 +188,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
     sparse, interval = tr._sparse_batch_end()
     clock, due = time.perf_counter, tr._sparse_due
     timed = tr.max_time is not None
+    poll, stop = tr._signals.poll, 0
     one_batch = _batch_runner(tr)
     tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
     batch_idx = state.batch_idx
@@ -203,23 +207,22 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
             tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
         if timed and tr._time_is_up():
             tr.should_stop = True
-        # Inside an epoch only max_steps (of _fit_done's limits), a stop or a Ctrl-C can end the fit.
+        if not stop:
+            stop = poll()  # collective: the same batches on every rank
+        # Inside an epoch only max_steps (of _fit_done's limits), a stop or a stop signal can end the fit.
         final = (
-            is_last
-            or tr.should_stop
-            or tr._interrupt_requested
-            or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
+            is_last or tr.should_stop or stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
         )
         if sparse and (final or clock() >= due):  # after this batch's validation, if any
             for hook in sparse:
                 hook(tr, module, output, batch, batch_idx)
             due = clock() + interval
         if final:
-            if tr._interrupt_requested:  # stop at an optimizer step, where a checkpoint is exact
+            if stop:  # stop at an optimizer step, where a checkpoint is exact
                 if state.batch_idx % tr.accumulate_grad_batches and not is_last:
                     batch_idx += 1
                     continue
-                stop_at_step(tr)
+                stop_at_step(stop)
             break
         batch_idx += 1
     tr._sparse_due = due
@@ -241,7 +244,9 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     """
     prepared = tr._prepared_module
     assert prepared is not None
-    rig, state, store, optimizers = tr.rig, tr.fit_state, tr._train_metrics, list(tr.optimizers)
+    if not prepared._rig_module.automatic_optimization:
+        return _manual_batch_runner(tr)
+    rig, state, optimizers = tr.rig, tr.fit_state, list(tr.optimizers)
     training_step = prepared.step_caller(prepared._rig_module.training_step)
     backward = rig.precision.backward_function()
     stepping = [cast(RigOptimizer, o).step_functions() for o in optimizers]  # rig.prepare wrapped them
@@ -273,19 +278,93 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
         state.global_step += 1
         if tr.lr_scheduler_configs:
             step_schedulers(tr, "step", state.global_step)
-        if state.global_step % tr.log_every_n_steps == 0:  # tr._log_to_loggers(store.step_values(...)), inline
-            # When every step value goes to the loggers under its own name (worked out by
-            # step_values, once per new name), the row is a copy of the step values.
-            plain = store.logger_step_plain
-            values = Snapshot(store.step) if plain else store.step_values(for_logger=True)  # a fresh dict
-            if values:
-                values["epoch"] = state.epoch
-                tr._logged = values
-                for lg in tr.loggers:
-                    lg.log_metrics(values, step=state.global_step)
+        if state.global_step % tr.log_every_n_steps == 0:
+            _log_step(tr)
         return output
 
     return one_batch
+
+
+def _manual_batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
+    """``one_batch`` under manual optimization (``automatic_optimization = False``):
+    ``training_step`` runs the backward passes and optimizer steps itself; each batch counts as
+    one step (``global_step``, ``max_steps``, ``log_every_n_steps``). Chosen once per epoch's
+    batches, so the automatic path has no branch for it."""
+    prepared = tr._prepared_module
+    assert prepared is not None
+    state = tr.fit_state
+    step_caller = prepared.step_caller(prepared._rig_module.training_step)
+    training_step = _without_autocast_cache(step_caller) if tr.rig.precision.is_mixed else step_caller
+
+    def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
+        output = training_step(batch, batch_idx)
+        state.global_step += 1
+        if state.global_step % tr.log_every_n_steps == 0:
+            _log_step(tr)
+        return output
+
+    return one_batch
+
+
+def _without_autocast_cache(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` with autocast's cache of half-precision weight copies off.
+
+    The manual step runs under one autocast region, in which autocast casts each weight once and
+    reuses the copy until the region ends. After ``optimizer.step()`` inside the step that copy is
+    stale: a later forward in the same step would use the old weights. Without the cache every
+    forward casts the weights it uses, as when each module call is its own region (``rig.prepare``d
+    modules in a hand-written loop).
+    """
+
+    def call(*args: Any) -> Any:
+        cached = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            return step(*args)
+        finally:
+            torch.set_autocast_cache_enabled(cached)
+
+    return call
+
+
+def check_manual_optimization(tr: Trainer) -> None:
+    """Refuse, when a fit starts, the Trainer settings that step the optimizers for a module that
+    steps them itself."""
+    module = tr._require_module()
+    if module.automatic_optimization:
+        return
+    name = type(module).__name__
+    if tr.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={tr.accumulate_grad_batches}) accumulates for the Trainer's own "
+            f"optimizer steps, but {name} sets automatic_optimization = False: step every n-th batch in "
+            "training_step (with self.no_backward_sync() around the other backward passes)"
+        )
+    if tr.gradient_clip_val is not None:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={tr.gradient_clip_val}) clips at the Trainer's own optimizer steps, but "
+            f"{name} sets automatic_optimization = False: call self.clip_gradients(optimizer, "
+            "gradient_clip_val=...) in training_step before optimizer.step()"
+        )
+    if not tr.rig.strategy.manual_backward_supported:
+        raise ValueError(
+            f"{name} sets automatic_optimization = False, which strategy={tr.rig.strategy!r} does not support "
+            "(a backward inside training_step would not reach the sharded gradients); use strategy='ddp', "
+            "or automatic optimization"
+        )
+
+
+def _log_step(tr: Trainer) -> None:
+    """Send the step values to the loggers (every ``log_every_n_steps`` optimizer steps)."""
+    store, state = tr._train_metrics, tr.fit_state
+    # When every step value goes to the loggers under its own name (worked out by
+    # step_values, once per new name), the row is a copy of the step values.
+    values = Snapshot(store.step) if store.logger_step_plain else store.step_values(for_logger=True)  # a fresh dict
+    if values:
+        values["epoch"] = state.epoch
+        tr._logged = values
+        for lg in tr.loggers:
+            lg.log_metrics(values, step=state.global_step)
 
 
 def _clip_gradients(tr: Trainer, module: torch.nn.Module, optimizers: list[Any]) -> None:
@@ -324,7 +403,8 @@ def _end_train_epoch(tr: Trainer) -> None:
     logged = tr._train_metrics.logger_keys(epoch_values)
     if logged:
         tr._log_to_loggers(Snapshot(logged, epoch=tr.fit_state.epoch))
-    step_schedulers(tr, "epoch", tr.fit_state.epoch + 1)
+    if tr._require_module().automatic_optimization:  # manual optimization steps its own schedulers
+        step_schedulers(tr, "epoch", tr.fit_state.epoch + 1)
     tr.fit_state.epoch_finished = True
     tr._call_callbacks("on_train_epoch_end")
 

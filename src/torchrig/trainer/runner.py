@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
-import threading
+import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -16,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig.data import RigDataLoader
+from torchrig.preemption import Preempted, SignalWatch, requeue_slurm_job, restart_count
 from torchrig.trainer import debugging, loops
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
 from torchrig.trainer.module import TrainingModule, parse_optimizers
@@ -58,17 +57,20 @@ def run_fit_stage(
         tr.fit_state, tr.should_stop, tr._resumed, tr._resumed_from = loops.FitState(), False, False, None
         tr._train_metrics.reset()
         tr._epoch_metrics.clear()
-        if ckpt_path is not None:
+        if ckpt_path is None and tr.auto_resume and restart_count() > 0:
+            _auto_resume(tr)
+        elif ckpt_path is not None:
             _resume(tr, ckpt_path)
         hparams = getattr(module, "hparams", None)
         if hparams:
             for lg in tr.loggers:
                 lg.log_hyperparams(dict(hparams))
         tr._call_callbacks("on_fit_start")
-        with _deferred_interrupt(tr), debugging.anomaly_detection(tr):
+        with SignalWatch(tr.rig.strategy, tr.stop_signals) as tr._signals, debugging.anomaly_detection(tr):
             loops.run_fit(tr)
-            if tr._interrupt_requested:  # the Ctrl-C came during the fit's last step: still an interrupt
-                loops.stop_at_step(tr)
+            found = tr._signals.settle()  # a signal during the fit's last step still stops it
+            if found:
+                loops.stop_at_step(found)
         tr._call_callbacks("on_fit_end")
         _finalize_loggers(tr, "success")
     except BaseException as exc:
@@ -124,7 +126,6 @@ def _begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
             "subclass torchrig.TrainingModule (or use torchrig.Rig with a plain nn.Module)"
         )
     tr.module, tr._stage, tr.interrupted = module, stage, False
-    tr._interrupt_requested = tr._interrupt_at_step = False
     tr._refresh_hooks()
     module._trainer = tr
     if tr.seed is not None:
@@ -150,55 +151,43 @@ def _teardown(tr: Trainer, module: TrainingModule, datamodule: DataModule | None
 
 
 def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
-    """Tell the callbacks, close the loggers, re-raise; a Ctrl-C that stopped the fit at an
-    optimizer step (see :func:`_deferred_interrupt`) first saves ``last`` there."""
-    interrupted = isinstance(exc, KeyboardInterrupt)
+    """Tell the callbacks, close the loggers, re-raise. A fit stopped by a stop signal at an
+    optimizer step (:class:`~torchrig.Preempted`, agreed by every rank) first saves ``last``
+    there on every rank, requeues a SLURM job for ``requeue_signal``, then raises
+    ``KeyboardInterrupt`` for SIGINT and :class:`~torchrig.Preempted` (exit status 128 + signal,
+    0 when requeued) for the others."""
+    stop = exc if isinstance(exc, Preempted) else None
+    interrupted = stop is not None or isinstance(exc, KeyboardInterrupt)
     saved: Path | None = None
     try:
         if interrupted:
             tr.interrupted = tr.should_stop = True
-            cb = tr.checkpoint_callback
-            if tr._interrupt_at_step and cb is not None:  # not a second Ctrl-C mid-step
-                saved = cb.save_interrupted(tr)
+        if stop is not None and tr.checkpoint_callback is not None:  # not a second Ctrl-C mid-step
+            saved = tr.checkpoint_callback.save_interrupted(tr)
+        if stop is not None:
+            requeued = stop.signum == tr.requeue_signal and _requeue(tr)
+            exc = stop = Preempted(stop.signum, requeued=requeued, saved=None if saved is None else str(saved))
         if tr.module is not None:
             tr._call_callbacks("on_exception", exc)
     finally:
         _finalize_loggers(tr, "interrupted" if interrupted else "failed")
         if interrupted:
+            name = stop.signum.name if stop is not None else "KeyboardInterrupt"
             where = f"saved step {tr.global_step} as {saved}" if saved is not None else "saved nothing now"
-            tr.rig.print(f"torchrig: KeyboardInterrupt: stopped the run; {where}")
+            then = "; requeued the job" if stop is not None and stop.requeued else ""
+            tr.rig.print(f"torchrig: {name}: stopped the run; {where}{then}")
+    if stop is not None and stop.signum == signal.SIGINT:
+        raise KeyboardInterrupt from None
     raise exc
 
 
-@contextlib.contextmanager
-def _deferred_interrupt(tr: Trainer) -> Iterator[None]:
-    """A first Ctrl-C (SIGINT) stops the fit at the next optimizer step instead of wherever it
-    lands (mid-step, the weights and the data position would disagree), so that the checkpoint
-    ``last`` is exact; a second Ctrl-C interrupts at once, as usual.
-
-    Only in one process, from the main thread and where Python's own handler is in place: with
-    several processes a save needs every rank at the same step, which a Ctrl-C (delivered to each
-    process at its own moment) does not give, so there ``KeyboardInterrupt`` stops the run at once
-    and nothing is saved beyond the checkpoints already written.
-    """
-    if (
-        tr.rig.world_size != 1
-        or threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-
-    def stop_at_next_step(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        tr._interrupt_requested = True
-        os.write(2, b"\ntorchrig: Ctrl-C: stopping after this step to save it; Ctrl-C again stops at once\n")
-
-    signal.signal(signal.SIGINT, stop_at_next_step)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+def _requeue(tr: Trainer) -> bool:
+    """Rank 0 runs ``scontrol requeue`` (the checkpoint is committed by now); every rank learns
+    whether it worked."""
+    why = requeue_slurm_job() if tr.is_global_zero else None
+    if why is not None:
+        print(f"torchrig: could not requeue the job: {why}", file=sys.stderr)
+    return bool(tr.rig.broadcast(why is None))
 
 
 def _finalize_loggers(tr: Trainer, status: str) -> None:
@@ -283,16 +272,35 @@ def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | None
         return Path(cb.best_model_path)
     if str(ckpt_path) != "last":
         return Path(ckpt_path)
-    folder = cb.resolve_dirpath(tr) if cb is not None else default_checkpoint_dir(tr)
-    link = folder / "last"
-    # A ``last`` link that exists but points nowhere (a save was killed while replacing its
-    # checkpoint) is loaded: rig.load finds the previous copy, or raises; it never means "no checkpoint".
-    if not os.path.lexists(link) and (cb is None or cb.dirpath is None):  # the default folder: a new run's
-        link = previous_run_last(tr) or link
+    link = _last_link(tr)
     if not os.path.lexists(link):
         warnings.warn(f"ckpt_path='last': there is no checkpoint at {link} yet; starting from scratch", stacklevel=4)
         return None
     return link
+
+
+def _last_link(tr: Trainer) -> Path:
+    """What ``ckpt_path="last"`` names: ``last`` in the checkpoint folder; in the default folder
+    (a new run's) without one, the ``last`` of the newest earlier run beside it.
+
+    A ``last`` link that exists but points nowhere (a save was killed while replacing its
+    checkpoint) is loaded: rig.load finds the previous copy, or raises; it never means "no checkpoint".
+    """
+    cb = tr.checkpoint_callback
+    link = (cb.resolve_dirpath(tr) if cb is not None else default_checkpoint_dir(tr)) / "last"
+    if not os.path.lexists(link) and (cb is None or cb.dirpath is None):
+        link = previous_run_last(tr) or link
+    return link
+
+
+def _auto_resume(tr: Trainer) -> None:
+    """A restarted job's fit without ``ckpt_path``: resume from the newest ``last``, if any."""
+    link, count = _last_link(tr), restart_count()
+    if not os.path.lexists(link):
+        tr.rig.print(f"torchrig: restart {count} of this job: no checkpoint at {link} yet; starting from scratch")
+        return
+    tr.rig.print(f"torchrig: restart {count} of this job: resuming from {link} (auto_resume=False turns this off)")
+    _resume(tr, link)
 
 
 def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from torchrig import arguments
 from torchrig.collections import apply_to_tensors
+from torchrig.preemption import SignalsLike, SignalWatch, resolve_requeue_signal, resolve_signals
 from torchrig.rig import Rig
 from torchrig.trainer import debugging, loops
 from torchrig.trainer.callbacks import Callback, active_hooks, sparse_batch_end_hooks
@@ -65,6 +66,16 @@ class Trainer:
             most once a minute, and at the end of the fit, with the ``last`` link (``ckpt_path="last"``).
         deterministic: ``torch.use_deterministic_algorithms`` (True, False, or ``"warn"``); None leaves it.
         seed: seed Python, NumPy and torch in every process before the run.
+        stop_signals: signals that stop a fit at the next optimizer step on every rank, save ``last``
+            there and exit with status 128 + the signal's number (:class:`~torchrig.Preempted`; SIGINT
+            raises ``KeyboardInterrupt``). ``"auto"``: SIGTERM and SIGINT, and SIGUSR1 under SLURM;
+            a list of names (``["SIGTERM", "SIGUSR2"]``); ``None``: none. See docs/distributed.md,
+            "Preemption and restarts".
+        requeue_signal: under SLURM, after saving for this signal, rank 0 runs ``scontrol requeue``
+            and the processes exit with status 0 (``"auto"``: SIGUSR1 under SLURM; ``None``: never).
+        auto_resume: when a launcher restarted the job (``TORCHELASTIC_RESTART_COUNT`` or
+            ``SLURM_RESTART_COUNT`` above 0), ``fit()`` without ``ckpt_path`` resumes from the newest
+            ``last`` (as ``ckpt_path="last"``) and says so; False starts such a fit from scratch.
         fast_dev_run: ``True`` or ``N``: run 1 (or N) batches of each loop (train, validation, test,
             predict) in one epoch, without the sanity check, loggers or checkpoints: nothing is written.
         overfit_batches: train every epoch on the same first batches: a count (int) or a fraction of
@@ -108,6 +119,9 @@ class Trainer:
         enable_checkpointing: bool = True,
         deterministic: bool | str | None = None,
         seed: int | None = None,
+        stop_signals: SignalsLike = "auto",
+        requeue_signal: str | int | None = "auto",
+        auto_resume: bool = True,
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0.0,
         detect_anomaly: bool = False,
@@ -134,6 +148,13 @@ class Trainer:
             raise ValueError(f"deterministic={deterministic!r}; use True, False, 'warn' or None")
         self.deterministic = deterministic
         self.seed = None if seed is None else arguments.seed("seed", seed)
+        self.requeue_signal = resolve_requeue_signal(requeue_signal)
+        signals = resolve_signals(stop_signals)
+        requeue = self.requeue_signal
+        self.stop_signals = signals + ((requeue,) if requeue is not None and requeue not in signals else ())
+        if not isinstance(auto_resume, bool):
+            raise ValueError(f"auto_resume={auto_resume!r} must be True or False")
+        self.auto_resume = auto_resume
         root = os.getcwd() if default_root_dir is None else arguments.path("default_root_dir", default_root_dir)
         self.default_root_dir = Path(root)
         self.rig = Rig(
@@ -178,8 +199,8 @@ class Trainer:
         self._resumed = False
         self._resumed_from: Path | None = None  # the checkpoint this fit resumed from (resolved)
         self._checkpoint_dir: Path | None = None  # the default checkpoint folder, once chosen
-        self._interrupt_requested = False  # a Ctrl-C asked the fit to stop after the current step
-        self._interrupt_at_step = False  # ...and it stopped there (loops.stop_at_step)
+        #: Notes stop signals during a fit and agrees on them across ranks (see torchrig.preemption).
+        self._signals = SignalWatch(self.rig.strategy, ())
         self._started_at = time.monotonic()
 
     # -- what the run is at --------------------------------------------------------------------

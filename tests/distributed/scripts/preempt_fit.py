@@ -1,0 +1,85 @@
+"""A 2-process Trainer fit for the preemption tests.
+
+    python preempt_fit.py ROOT OUT [--signal SIGTERM --signal-rank 1 --signal-at 8] [--sleep-rank 0]
+                                   [--resume] [--launcher]
+
+``--signal``: at optimizer step ``--signal-at`` the process of rank ``--signal-rank`` sends itself
+that signal (as a scheduler that signals one process does); ``--sleep-rank R`` makes rank R sleep
+2 s at that step, so it is late to every collective after it. ``--resume``: ``fit(ckpt_path="last")``.
+``--launcher``: the processes come from torchrig's own launcher (``devices=2``); else from the
+environment (SLURM variables set by the test, as ``srun`` would). Rank 0 writes the final
+weights to OUT; every rank prints ``rank R saved step S`` from ``last`` when the fit stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import torchrig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "trainer"))
+from trainer_helpers import Regressor, loader
+
+
+class Signal(torchrig.Callback):
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        a, rank = self.args, trainer.rig.global_rank
+        if trainer.global_step != a.signal_at:
+            return
+        if a.signal and rank == a.signal_rank:
+            os.kill(os.getpid(), signal.Signals[a.signal])
+        if rank == a.sleep_rank:
+            time.sleep(2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("out")
+    parser.add_argument("--signal", default="")
+    parser.add_argument("--signal-rank", type=int, default=1)
+    parser.add_argument("--signal-at", type=int, default=8)
+    parser.add_argument("--sleep-rank", type=int, default=-1)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--launcher", action="store_true")
+    parser.add_argument("--logger", action="store_true")
+    args = parser.parse_args()
+
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    module = Regressor(dropout=0.25)  # dropout: the RNG streams must continue exactly too
+    trainer = torchrig.Trainer(
+        accelerator="cpu",
+        devices=2 if args.launcher else None,
+        strategy="ddp",
+        max_epochs=3,
+        seed=123,
+        enable_progress_bar=False,
+        logger=args.logger,
+        default_root_dir=args.root,
+        callbacks=[Signal(args)],
+        num_sanity_val_steps=0,
+    )
+    try:
+        trainer.fit(module, loader(48, batch_size=4, shuffle=True), ckpt_path="last" if args.resume else None)
+    except torchrig.Preempted as stop:
+        print(f"rank {trainer.rig.global_rank} saved step {trainer.global_step} at {stop.saved}", flush=True)
+        raise
+    if trainer.rig.is_global_zero:
+        torch.save(module.state_dict(), args.out)
+    print(f"rank {trainer.rig.global_rank} done at step {trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Preemption in one process: which signals are watched, what a stop signal does to a fit, the
+exit status, ``rig.preempted()``, and automatic resume of a restarted job."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from trainer_helpers import Regressor, loader, params, quiet_trainer
+
+import torchrig
+from torchrig.preemption import resolve_requeue_signal, resolve_signals, stopped_for_signal
+
+
+def test_signal_lists_are_resolved_and_bad_ones_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert resolve_signals("auto") == (signal.SIGTERM, signal.SIGINT)
+    assert resolve_requeue_signal("auto") is None
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert resolve_signals("auto") == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    assert resolve_requeue_signal("auto") == signal.SIGUSR1
+    assert resolve_signals(["TERM", "sigusr2", 15, signal.SIGHUP]) == (signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP)
+    assert resolve_signals(None) == () and resolve_signals([]) == ()
+    with pytest.raises(ValueError, match=r"stop_signals='SIGBOGUS' is not a signal; give names such as 'SIGTERM'"):
+        resolve_signals("SIGBOGUS")
+    with pytest.raises(ValueError, match=r"stop_signals=9: SIGKILL cannot be caught, so no process can save on it"):
+        resolve_signals([9])
+    with pytest.raises(ValueError, match=r"stop_signals=True is not a signal"):
+        resolve_signals([True])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"requeue_signal='KILL': SIGKILL cannot be caught"):
+        torchrig.Trainer(accelerator="cpu", requeue_signal="KILL", logger=False)
+    with pytest.raises(ValueError, match=r"auto_resume='yes' must be True or False"):
+        torchrig.Trainer(accelerator="cpu", auto_resume="yes", logger=False)  # type: ignore[arg-type]
+    trainer = torchrig.Trainer(accelerator="cpu", stop_signals=["SIGTERM"], requeue_signal="SIGUSR2", logger=False)
+    assert trainer.stop_signals == (signal.SIGTERM, signal.SIGUSR2)  # the requeue signal is watched too
+
+
+def test_preempted_exit_status_and_which_statuses_mean_stopped_for_a_signal() -> None:
+    stop = torchrig.Preempted(signal.SIGTERM)
+    assert isinstance(stop, SystemExit) and stop.code == 143 and str(stop) == "stopped by SIGTERM (exit status 143)"
+    assert torchrig.Preempted(signal.SIGUSR1).code == 138
+    requeued = torchrig.Preempted(signal.SIGUSR1, requeued=True)
+    assert requeued.code == 0 and str(requeued) == "stopped by SIGUSR1 (requeued)"
+    assert stopped_for_signal(143) and stopped_for_signal(-signal.SIGINT) and stopped_for_signal(130)
+    assert not stopped_for_signal(0) and not stopped_for_signal(1) and not stopped_for_signal(-9)
+
+
+class SendAt(torchrig.Callback):
+    """Sends this process ``sig`` after optimizer step ``step``; records the handler it found."""
+
+    def __init__(self, step: int, sig: int | None) -> None:
+        self.step, self.sig = step, sig
+        self.handlers: list[Any] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.handlers.append(signal.getsignal(signal.SIGTERM))
+        if trainer.global_step == self.step and self.sig is not None:
+            self.step = -1
+            os.kill(os.getpid(), self.sig)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_the_fit_at_that_step_saves_last_and_exits_143(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    trainer = quiet_trainer(tmp_path, max_epochs=3, enable_checkpointing=True, callbacks=[SendAt(4, signal.SIGTERM)])
+    with pytest.raises(torchrig.Preempted) as info:
+        trainer.fit(Regressor(), loader(40))
+    assert info.value.code == 143 and info.value.signum == signal.SIGTERM and not info.value.requeued
+    last = (tmp_path / "checkpoints" / "last").resolve()
+    assert last.name == "epoch=0-step=4" and info.value.saved == str(last)
+    assert trainer.interrupted and trainer.global_step == 4
+    out, err = capfd.readouterr()
+    assert "torchrig: SIGTERM: stopping at the next optimizer step to save it" in err
+    assert f"torchrig: SIGTERM: stopped the run; saved step 4 as {last}" in out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back after the fit
+    # Resumed, it ends where a fit never stopped ends.
+    torch.manual_seed(0)
+    resumed_module = Regressor()
+    quiet_trainer(tmp_path, max_epochs=3, enable_checkpointing=True).fit(resumed_module, loader(40), ckpt_path="last")
+    torch.manual_seed(0)
+    clean_module = Regressor()
+    quiet_trainer(tmp_path / "clean", max_epochs=3).fit(clean_module, loader(40))
+    assert all(torch.equal(a, b) for a, b in zip(params(resumed_module), params(clean_module), strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_signals_not_asked_for_and_handlers_of_the_program_are_left_alone(tmp_path: Path) -> None:
+    off = SendAt(2, None)
+    quiet_trainer(tmp_path / "off", max_epochs=1, stop_signals=None, callbacks=[off]).fit(Regressor(), loader(16))
+    assert off.handlers and all(h is signal.SIG_DFL for h in off.handlers)
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    try:
+        own = SendAt(2, signal.SIGTERM)
+        trainer = quiet_trainer(tmp_path / "own", max_epochs=1, callbacks=[own])
+        trainer.fit(Regressor(), loader(16))  # the program's handler runs; the fit goes on
+        assert caught == [signal.SIGTERM] and trainer.global_step == 4 and not trainer.interrupted
+        assert all(h is own.handlers[0] and h is not signal.SIG_DFL for h in own.handlers)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.timeout(30)
+def test_rig_preempted_reports_the_signal_once_watched(tmp_path: Path) -> None:
+    rig = torchrig.Rig(accelerator="cpu")
+    assert rig.preempted() is None
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # watched from the first call
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert rig.preempted() is signal.SIGTERM
+        assert rig.preempted() is signal.SIGTERM
+    finally:
+        assert rig._signal_watch is not None
+        rig._signal_watch.restore()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with pytest.raises(ValueError, match=r"signals='SIGNOPE' is not a signal"):
+        torchrig.Rig(accelerator="cpu").preempted("SIGNOPE")
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_job_resumes_from_last_by_itself_unless_switched_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
+    assert "restart 1 of this job: no checkpoint at" in capsys.readouterr().out  # the first attempt saved nothing
+    resumed = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True)
+    resumed.fit(Regressor(), loader(16))
+    out = capsys.readouterr().out
+    link = tmp_path / "checkpoints" / "last"
+    assert f"torchrig: restart 1 of this job: resuming from {link} (auto_resume=False turns this off)" in out
+    assert "continues with epoch 2, step 4" in out and resumed.global_step == 8
+    fresh = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, auto_resume=False)
+    fresh.fit(Regressor(), loader(16))
+    assert "resum" not in capsys.readouterr().out and fresh.global_step == 4
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
+    assert "resum" not in capsys.readouterr().out  # a first run never resumes by itself
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("interval", ["0", "1"])
+def test_several_ranks_check_at_polls_they_agree_on_and_stop_at_the_second_check_after_a_signal(
+    monkeypatch: pytest.MonkeyPatch, interval: str
+) -> None:
+    """The schedule of checks, with a fake all-reduce (this rank's values are the maximum) and
+    a fake clock (10 ms per poll): every poll at interval 0; with 1 s, about every 100 polls."""
+    import torchrig.preemption as preemption
+
+    monkeypatch.setenv("TORCHRIG_SIGNAL_CHECK_INTERVAL", interval)
+    clock = [0.0]
+    monkeypatch.setattr(preemption.time, "perf_counter", lambda: clock[0])
+    checks: list[int] = []
+    watch = preemption.SignalWatch(type("S", (), {"world_size": 2, "global_rank": 1})(), [signal.SIGTERM])
+
+    def all_reduce(flag: torch.Tensor, **kwargs: Any) -> _Done:
+        checks.append(watch._calls)
+        return _Done()
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(preemption, "control_group", lambda: None)
+    for _ in range(500):
+        clock[0] += 0.01
+        assert watch.poll() == 0
+    if interval == "0":
+        assert checks == list(range(1, 501))
+    else:
+        gaps = [b - a for a, b in itertools.pairwise(checks)]
+        assert gaps[0] == 1 and all(95 <= g <= 105 for g in gaps[1:]), gaps
+    watch.received = signal.SIGTERM  # what the handler notes
+    polls = 0
+    while not watch.poll():
+        polls += 1
+        clock[0] += 0.01
+    assert len([c for c in checks if c > 500]) == 1  # the check that sends it; the next one reads it
+    assert polls <= (1 if interval == "0" else 210)
+    assert watch.settle() == signal.SIGTERM
+    with pytest.raises(ValueError, match=r"TORCHRIG_SIGNAL_CHECK_INTERVAL='soon' must be seconds >= 0"):
+        monkeypatch.setenv("TORCHRIG_SIGNAL_CHECK_INTERVAL", "soon")
+        preemption.check_interval()
