@@ -156,3 +156,26 @@ def test_rig_preempted_tells_every_rank_of_a_hand_written_loop_at_the_same_step(
     assert "rank 0 stopped at step 6" in proc.stdout and "rank 1 stopped at step 6" in proc.stdout, explain(proc)
     assert (tmp_path / "ckpt" / "last").resolve().name == "step-6"
     assert "was never stopped" not in proc.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_sigterm_to_torchrig_run_reaches_the_workers_which_save_and_it_exits_143(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    args = ["-m", "torchrig.cli", "run", "--devices", "2", "--accelerator", "cpu", SCRIPT, str(tmp_path / "run")]
+    extra = [str(tmp_path / "run.pt"), "--ready", str(ready), "--step-sleep", "0.05", "--epochs", "200"]
+    proc = subprocess.Popen(
+        [sys.executable, *args, *extra], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.terminate()  # SIGTERM to `torchrig run`, as a scheduler stopping the job step would
+    out, err = proc.communicate(timeout=60)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert proc.returncode == 143, explain(done)
+    assert "stopped by SIGTERM (the workers' output above says what they saved)" in err, explain(done)
+    last = (tmp_path / "run" / "checkpoints" / "last").resolve()
+    step = int(last.name.rsplit("=", 1)[1])
+    assert 3 <= step < 1200, last.name  # long before the end of the 200 epochs
+    assert f"rank 0 saved step {step} at {last}" in out and f"rank 1 saved step {step} at {last}" in out, explain(done)

@@ -154,7 +154,8 @@ def test_several_ranks_check_at_polls_they_agree_on_and_stop_at_the_second_check
     monkeypatch: pytest.MonkeyPatch, interval: str
 ) -> None:
     """The schedule of checks, with a fake all-reduce (this rank's values are the maximum) and
-    a fake clock (10 ms per poll): every poll at interval 0; with 1 s, about every 100 polls."""
+    a fake clock (10 ms per poll): every poll at interval 0; with 1 s, about every 100 polls,
+    reached by doubling."""
     import torchrig.preemption as preemption
 
     monkeypatch.setenv("TORCHRIG_SIGNAL_CHECK_INTERVAL", interval)
@@ -169,14 +170,16 @@ def test_several_ranks_check_at_polls_they_agree_on_and_stop_at_the_second_check
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     monkeypatch.setattr(preemption, "control_group", lambda: None)
-    for _ in range(500):
+    assert watch.poll() == 0  # a first poll at once (as between two epochs): no rate to go by yet
+    for _ in range(499):
         clock[0] += 0.01
         assert watch.poll() == 0
     if interval == "0":
         assert checks == list(range(1, 501))
     else:
         gaps = [b - a for a, b in itertools.pairwise(checks)]
-        assert gaps[0] == 1 and all(95 <= g <= 105 for g in gaps[1:]), gaps
+        # Doubling at most per check up to the 100 polls that take 1 s, then about 100.
+        assert gaps[:7] == [1, 2, 4, 8, 16, 32, 64] and all(95 <= g <= 105 for g in gaps[7:]), gaps
     watch.received = signal.SIGTERM  # what the handler notes
     polls = 0
     while not watch.poll():

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
+from torchrig.preemption import stopped_for_signal
 from torchrig.resolve import ENV_DEFAULTS
 
 
@@ -113,12 +115,19 @@ def main(args: argparse.Namespace) -> int:
         os.environ[STOP_FILE_ENV] = stop_file  # a worker that stops the job (crash loop) says why there
         try:
             return launch_workers(args, launch)
-        except SignalException:
-            if not os.path.exists(stop_file):
-                raise
-            with open(stop_file, encoding="utf-8") as f:
-                print(f"torchrig run: {args.script} stopped: {f.read()}", file=sys.stderr)
-            return 1
+        except SignalException as err:
+            if os.path.exists(stop_file):
+                with open(stop_file, encoding="utf-8") as f:
+                    print(f"torchrig run: {args.script} stopped: {f.read()}", file=sys.stderr)
+                return 1
+            # torchrun passed the signal to the workers and waited for them (up to 30 s): a
+            # torchrig Trainer (or a loop with rig.preempted()) has saved and stopped by now.
+            name = signal.Signals(err.sigval).name
+            print(
+                f"torchrig run: {args.script} stopped by {name} (the workers' output above says what they saved)",
+                file=sys.stderr,
+            )
+            return 128 + int(err.sigval)
 
 
 def launch_workers(args: argparse.Namespace, launch: list[str]) -> int:
@@ -133,6 +142,9 @@ def launch_workers(args: argparse.Namespace, launch: list[str]) -> int:
         # stderr, above; torchrun's summary would only repeat it, or, for an error raised before
         # Rig() (nothing wrote torchrun's error file), say "To enable traceback see: ...".
         rank, first = err.get_first_failure()
+        if stopped_for_signal(first.exitcode):  # the workers stopped for a signal, after saving
+            print(f"torchrig run: {args.script} stopped: rank {rank} exited with {first.exitcode}", file=sys.stderr)
+            return int(first.exitcode) if first.exitcode > 0 else 128 - int(first.exitcode)
         print(f"torchrig run: {args.script} failed: {failure_summary(rank, first)}", file=sys.stderr)
         return 1
     return 0

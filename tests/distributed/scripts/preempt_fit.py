@@ -7,7 +7,9 @@
 that signal (as a scheduler that signals one process does); ``--sleep-rank R`` makes rank R sleep
 2 s at that step, so it is late to every collective after it. ``--resume``: ``fit(ckpt_path="last")``.
 ``--launcher``: the processes come from torchrig's own launcher (``devices=2``); else from the
-environment (SLURM variables set by the test, as ``srun`` would). Rank 0 writes the final
+environment (torchrun, or SLURM variables set by the test as ``srun`` would). ``--ready FILE``:
+rank 0 creates FILE after step 3, for a test that signals from outside; ``--step-sleep S`` slows
+every batch down. Rank 0 writes the final
 weights to OUT; every rank prints ``rank R saved step S`` from ``last`` when the fit stops.
 """
 
@@ -35,6 +37,9 @@ class Signal(torchrig.Callback):
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         a, rank = self.args, trainer.rig.global_rank
+        if a.ready and trainer.global_step == 3 and rank == 0:
+            Path(a.ready).touch()  # the test sends its signal from outside now
+        time.sleep(a.step_sleep)
         if trainer.global_step != a.signal_at:
             return
         if a.signal and rank == a.signal_rank:
@@ -54,6 +59,9 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--launcher", action="store_true")
     parser.add_argument("--logger", action="store_true")
+    parser.add_argument("--ready", default="", help="rank 0 creates this file after step 3")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each batch sleeps")
+    parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
 
     torch.use_deterministic_algorithms(True)
@@ -63,7 +71,7 @@ def main() -> None:
         accelerator="cpu",
         devices=2 if args.launcher else None,
         strategy="ddp",
-        max_epochs=3,
+        max_epochs=args.epochs,
         seed=123,
         enable_progress_bar=False,
         logger=args.logger,
