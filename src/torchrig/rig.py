@@ -373,9 +373,10 @@ class Rig:
 
         The first call installs handlers for ``signals`` (``"auto"``: SIGTERM and SIGINT, and
         SIGUSR1 under SLURM) that only note a signal, so from then on those signals no longer kill
-        the process. Each call is collective but never waits: it returns the agreement started by
-        the previous call, so every rank sees the signal at the same step, one step after the
-        first rank got it, even when only one rank was signalled. Then save and stop::
+        the process. Each call is collective but never waits: with several processes the ranks
+        check together about once a second of training (an asynchronous all-reduce, read at the
+        next check), so every rank sees the signal at the same step, within about two seconds of
+        the first rank's, even when only one rank was signalled. Then save and stop::
 
             for step, (x, y) in enumerate(loader):
                 ...
