@@ -179,3 +179,20 @@ def test_sigterm_to_torchrig_run_reaches_the_workers_which_save_and_it_exits_143
     step = int(last.name.rsplit("=", 1)[1])
     assert 3 <= step < 1200, last.name  # long before the end of the 200 epochs
     assert f"rank 0 saved step {step} at {last}" in out and f"rank 1 saved step {step} at {last}" in out, explain(done)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_a_sigkilled_worker_restarted_by_torchrig_run_resumes_the_fit_by_itself_bitwise(tmp_path: Path) -> None:
+    # Checkpoints every 5 steps; rank 1 dies at step 13; the restart resumes from step 10 on its own.
+    args = ["-m", "torchrig.cli", "run", "--devices", "2", "--accelerator", "cpu", "--max-restarts", "1", SCRIPT]
+    extra = ["--kill-at", "13", "--save-every", "5"]
+    proc = run([*args, str(tmp_path / "k"), str(tmp_path / "k.pt"), *extra], timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    assert "exitcode: -9" in proc.stderr, explain(proc)
+    assert "torchrig: restart 1 of this job: resuming from" in proc.stdout, explain(proc)
+    assert "continues in epoch 2 after 4 batches, step 10" in proc.stdout, explain(proc)
+    assert "rank 0 done at step 18" in proc.stdout, explain(proc)
+    clean = _fit(tmp_path, "clean")
+    assert clean.returncode == 0, explain(clean)
+    _same_weights(tmp_path / "clean.pt", tmp_path / "k.pt")

@@ -9,7 +9,8 @@ that signal (as a scheduler that signals one process does); ``--sleep-rank R`` m
 ``--launcher``: the processes come from torchrig's own launcher (``devices=2``); else from the
 environment (torchrun, or SLURM variables set by the test as ``srun`` would). ``--ready FILE``:
 rank 0 creates FILE after step 3, for a test that signals from outside; ``--step-sleep S`` slows
-every batch down. Rank 0 writes the final
+every batch down. ``--kill-at N``: rank 1 SIGKILLs itself at step N of the first attempt
+(``TORCHELASTIC_RESTART_COUNT`` 0); ``--save-every N``: a ``ModelCheckpoint`` every N steps. Rank 0 writes the final
 weights to OUT; every rank prints ``rank R saved step S`` from ``last`` when the fit stops.
 """
 
@@ -40,6 +41,9 @@ class Signal(torchrig.Callback):
         if a.ready and trainer.global_step == 3 and rank == 0:
             Path(a.ready).touch()  # the test sends its signal from outside now
         time.sleep(a.step_sleep)
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if a.kill_at and trainer.global_step == a.kill_at and rank == 1 and not restarted:
+            os.kill(os.getpid(), signal.SIGKILL)  # a dead worker: nothing can be saved
         if trainer.global_step != a.signal_at:
             return
         if a.signal and rank == a.signal_rank:
@@ -62,6 +66,8 @@ def main() -> None:
     parser.add_argument("--ready", default="", help="rank 0 creates this file after step 3")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each batch sleeps")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself at this step (first attempt)")
+    parser.add_argument("--save-every", type=int, default=0, help="a checkpoint every this many steps")
     args = parser.parse_args()
 
     torch.use_deterministic_algorithms(True)
@@ -76,7 +82,8 @@ def main() -> None:
         enable_progress_bar=False,
         logger=args.logger,
         default_root_dir=args.root,
-        callbacks=[Signal(args)],
+        callbacks=[Signal(args)]
+        + ([torchrig.ModelCheckpoint(every_n_train_steps=args.save_every, save_last=True)] if args.save_every else []),
         num_sanity_val_steps=0,
     )
     try:
