@@ -196,3 +196,17 @@ def test_a_sigkilled_worker_restarted_by_torchrig_run_resumes_the_fit_by_itself_
     clean = _fit(tmp_path, "clean")
     assert clean.returncode == 0, explain(clean)
     _same_weights(tmp_path / "clean.pt", tmp_path / "k.pt")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_ddp_spawn_workers_stop_together_and_the_launching_process_exits_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHRIG_SIGNAL_CHECK_INTERVAL", "0")
+    proc = run([SCRIPT, str(tmp_path / "sp"), str(tmp_path / "sp.pt"), "--spawn", "--signal", "SIGTERM"], timeout=80)
+    assert proc.returncode == 143, explain(proc)
+    last = (tmp_path / "sp" / "checkpoints" / "last").resolve()
+    assert last.name == "epoch=1-step=9", explain(proc)
+    assert f"torchrig: SIGTERM: stopped the run; saved step 9 as {last}" in proc.stdout, explain(proc)
+    assert "ProcessExitedException" not in proc.stderr, explain(proc)

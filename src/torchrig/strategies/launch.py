@@ -378,9 +378,18 @@ def spawn(
     tmp = tempfile.mkdtemp(prefix="torchrig-spawn-")
     result_path = os.path.join(tmp, "rank0.pkl")
     try:
-        mp.start_processes(
-            _spawn_worker, args=(call, base, result_path), nprocs=num_processes, start_method=start_method
-        )
+        try:
+            mp.start_processes(
+                _spawn_worker, args=(call, base, result_path), nprocs=num_processes, start_method=start_method
+            )
+        except mp.ProcessExitedException as err:
+            if not stopped_for_signal(err.exit_code):
+                raise
+            # The workers stopped together for a signal after saving (torchrig.Preempted): so does this one.
+            from torchrig.preemption import Preempted
+
+            code = err.exit_code
+            raise Preempted(-code if code < 0 else code - 128) from None
         if not os.path.exists(result_path):
             return None
         with open(result_path, "rb") as f:

@@ -66,16 +66,20 @@ def run_fit_stage(
             for lg in tr.loggers:
                 lg.log_hyperparams(dict(hparams))
         tr._call_callbacks("on_fit_start")
-        with SignalWatch(tr.rig.strategy, tr.stop_signals) as tr._signals, debugging.anomaly_detection(tr):
+        # Installed until the fit ends, or until the save of a stop is done (in _on_error).
+        tr._signals = SignalWatch(tr.rig.strategy, tr.stop_signals).install()
+        with debugging.anomaly_detection(tr):
             loops.run_fit(tr)
             found = tr._signals.settle()  # a signal during the fit's last step still stops it
             if found:
                 loops.stop_at_step(found)
+        tr._signals.restore()
         tr._call_callbacks("on_fit_end")
         _finalize_loggers(tr, "success")
     except BaseException as exc:
         _on_error(tr, exc)
     finally:
+        tr._signals.restore()
         _teardown(tr, module, datamodule, "fit")
 
 

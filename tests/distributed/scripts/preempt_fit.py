@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--sleep-rank", type=int, default=-1)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--launcher", action="store_true")
+    parser.add_argument("--spawn", action="store_true", help="strategy='ddp_spawn' (2 workers)")
     parser.add_argument("--logger", action="store_true")
     parser.add_argument("--ready", default="", help="rank 0 creates this file after step 3")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each batch sleeps")
@@ -75,8 +76,8 @@ def main() -> None:
     module = Regressor(dropout=0.25)  # dropout: the RNG streams must continue exactly too
     trainer = torchrig.Trainer(
         accelerator="cpu",
-        devices=2 if args.launcher else None,
-        strategy="ddp",
+        devices=2 if args.launcher or args.spawn else None,
+        strategy="ddp_spawn" if args.spawn else "ddp",
         max_epochs=args.epochs,
         seed=123,
         enable_progress_bar=False,
