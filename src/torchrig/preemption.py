@@ -262,18 +262,19 @@ class SignalWatch:
 
 def control_group() -> Any:
     """A process group that carries small CPU tensors: the default one when it is gloo, else a
-    gloo group over every rank, made on first use (collectively) and kept for the process."""
+    gloo group over every rank, made on first use (collectively) and kept while the default
+    group lives."""
     import torch.distributed as dist
 
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
-    global _CONTROL
-    if _CONTROL is None:
-        _CONTROL = dist.new_group(backend="gloo")
-    return _CONTROL
+    world = dist.group.WORLD
+    if _CONTROL.get("for") is not world:
+        _CONTROL.update({"for": world, "group": dist.new_group(backend="gloo")})
+    return _CONTROL["group"]
 
 
-_CONTROL: Any = None
+_CONTROL: dict[str, Any] = {}
 
 
 def slurm_job_id() -> str | None:
