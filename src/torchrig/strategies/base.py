@@ -113,6 +113,16 @@ class Strategy:
     def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type, foreach=None)
 
+    #: Whether ``TrainingModule.manual_backward`` works: a backward inside ``training_step``.
+    manual_backward_supported = True
+
+    def prepare_for_backward(self, module: nn.Module, loss: torch.Tensor) -> None:
+        """Make the wrapper of ``module`` synchronise the gradients of the backward of ``loss``.
+
+        Manual optimization runs its backward passes inside ``training_step``, which the wrapper
+        sees as one forward, run with the wrapper's own sync off (``no_backward_sync``);
+        ``manual_backward`` calls this before each backward that synchronises. Nothing by default."""
+
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The full (unsharded) state dict of ``module``, as a checkpoint stores it."""
         return module.state_dict()

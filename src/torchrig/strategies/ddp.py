@@ -6,6 +6,7 @@ import contextlib
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -81,6 +82,29 @@ class DDPStrategy(ParallelStrategy):
         if enabled and isinstance(module, DistributedDataParallel):
             return module.no_sync()
         return contextlib.nullcontext()
+
+    def prepare_for_backward(self, module: nn.Module, loss: torch.Tensor) -> None:
+        """Arm DDP's reducer to average the gradients of the backward of ``loss``, as the end of
+        DDP's forward does for a forward's single backward (with ``find_unused_parameters``, the
+        parameters ``loss`` does not reach are found in its graph)."""
+        if not isinstance(module, DistributedDataParallel) or not torch.is_grad_enabled():
+            return
+        from torch.nn.parallel.distributed import _find_tensors
+
+        module.require_forward_param_sync = True
+        find = module.find_unused_parameters and not module.static_graph
+        try:
+            module.reducer._rebuild_buckets()  # type: ignore[no-untyped-call]
+            module.reducer.prepare_for_backward(list(_find_tensors(loss)) if find else [])
+        except RuntimeError as err:
+            if find or "finished reduction in the prior iteration" not in str(err):
+                raise
+            raise RuntimeError(
+                "an earlier backward in this training_step did not reach every parameter (a GAN's "
+                "discriminator loss does not reach the generator), so DDP never finished averaging its "
+                "gradients; pass strategy=torchrig.DDPStrategy(find_unused_parameters=True). DDP said: "
+                f"{err}"
+            ) from err
 
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The full state dict with the user's keys (no ``module.`` prefix from DDP)."""

@@ -161,6 +161,10 @@ class FSDPStrategy(ParallelStrategy):
             )
         return found[1]
 
+    #: FSDP reduce-scatters the gradients when the backward of its forward's output ends; a
+    #: backward inside ``training_step`` (inside that forward) never gets there.
+    manual_backward_supported = False
+
     def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 

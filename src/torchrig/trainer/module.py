@@ -21,8 +21,9 @@ event of the same moment, see :mod:`torchrig.trainer.callbacks`):
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from torchrig import arguments
 from torchrig.trainer.metrics import LogOptions
 
 if TYPE_CHECKING:
@@ -61,6 +63,11 @@ class TrainingModule(nn.Module):
     """
 
     _trainer: Trainer | None = None
+    #: False: ``training_step`` steps the optimizers itself (manual optimization): it calls
+    #: ``self.optimizers()``, ``self.manual_backward(loss)``, ``opt.step()`` and ``opt.zero_grad()``;
+    #: the Trainer only counts the batch as a step (no accumulation, clipping or scheduler steps of
+    #: its own). Set it in ``__init__``.
+    automatic_optimization: bool = True
 
     @property
     def trainer(self) -> Trainer:
@@ -119,6 +126,73 @@ class TrainingModule(nn.Module):
     def on_train_epoch_end(self) -> None: ...
 
     def on_validation_epoch_end(self) -> None: ...
+
+    # -- manual optimization (automatic_optimization = False) --------------------------------
+    def optimizers(self) -> Any:
+        """The optimizers of ``configure_optimizers()`` as prepared for this run (they step through
+        the precision): the optimizer itself when there is one, else a list in the order given."""
+        optimizers = self.trainer.optimizers
+        return optimizers[0] if len(optimizers) == 1 else list(optimizers)
+
+    def lr_schedulers(self) -> Any:
+        """The LR schedulers of ``configure_optimizers()``: None, the scheduler, or a list. Under
+        manual optimization you step them yourself (the Trainer does not)."""
+        schedulers = [cfg.scheduler for cfg in self.trainer.lr_scheduler_configs]
+        if not schedulers:
+            return None
+        return schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` through the run's precision (scaled under ``16-mixed``) and strategy
+        (the gradients are averaged across processes, also for a second backward in one step).
+
+        Only under manual optimization: with ``automatic_optimization = True`` the Trainer runs the
+        backward of the loss ``training_step`` returns.
+        """
+        trainer = self.trainer
+        if self.automatic_optimization:
+            raise RuntimeError(
+                f"{type(self).__name__}.manual_backward() is for manual optimization: set "
+                "self.automatic_optimization = False in __init__, or return the loss from training_step"
+            )
+        prepared = trainer._prepared_module
+        if prepared is not None and not trainer._skip_backward_sync:
+            trainer.rig.strategy.prepare_for_backward(prepared._forward_module, loss)
+        trainer.rig.backward(loss, **kwargs)
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+    ) -> torch.Tensor | None:
+        """Clip the gradients of ``optimizer``'s parameters (unscaled first under ``16-mixed``):
+        to a total norm of ``gradient_clip_val`` (``"norm"``; returns the norm before clipping) or
+        each element to ``[-gradient_clip_val, gradient_clip_val]`` (``"value"``). None clips nothing."""
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; use 'norm' or 'value'")
+        if gradient_clip_val is None:
+            return None
+        clip = arguments.clip_threshold("gradient_clip_val", gradient_clip_val)
+        max_norm, clip_val = (clip, None) if gradient_clip_algorithm == "norm" else (None, clip)
+        return self.trainer.rig._clip_checked(optimizer, max_norm, clip_val, 2.0)
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, enabled: bool = True) -> Iterator[None]:
+        """Inside the block ``manual_backward`` does not synchronise gradients across processes
+        (accumulate micro-batches locally; the next backward outside the block averages their sum).
+
+        Example:
+            >>> # with self.no_backward_sync(enabled=not last_micro_batch):
+            >>> #     self.manual_backward(loss)
+        """
+        trainer = self.trainer
+        skipping = trainer._skip_backward_sync
+        trainer._skip_backward_sync = skipping or enabled
+        try:
+            yield
+        finally:
+            trainer._skip_backward_sync = skipping
 
     # -- logging -----------------------------------------------------------------------------
     def log(

@@ -1,0 +1,338 @@
+"""Manual optimization (``automatic_optimization = False``): the GAN example equals its Rig loop
+(1 and 2 processes, 32-true and 16-mixed), the accessors, manual_backward, clip_gradients,
+no_backward_sync, and the settings refused with it."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from trainer_helpers import ROOT, Regressor, loader, quiet_trainer, subprocess_env
+
+GAN_SCRIPT = ROOT / "examples" / "gan.py"
+
+
+def load_gan_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gan_example", GAN_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_all_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for key in got:
+        assert torch.allclose(got[key], expected[key], atol=1e-6), (key, (got[key] - expected[key]).abs().max())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_gan_example_trains_the_weights_of_the_same_loop_written_with_the_rig(precision: str) -> None:
+    gan = load_gan_example()
+    torch.manual_seed(0)
+    start = gan.GAN()
+    with_trainer, with_rig = copy.deepcopy(start), copy.deepcopy(start)
+    trainer = gan.train_with_trainer(with_trainer, devices=1, precision=precision, epochs=2, seed=1)
+    rig = gan.train_with_rig(with_rig, devices=1, precision=precision, epochs=2, seed=1)
+    assert_all_close(with_trainer.state_dict(), with_rig.state_dict())
+    assert trainer.global_step == 2 * 16  # 512 samples in batches of 32: each batch is one step
+    changed = [not torch.equal(a, b) for a, b in zip(with_trainer.parameters(), start.parameters(), strict=True)]
+    assert all(changed)  # both networks trained
+    if precision == "16-mixed":  # both loops went through the same scaler states
+        assert trainer.rig.precision.scaler is not None and rig.precision.scaler is not None
+        assert trainer.rig.precision.scaler.get_scale() == rig.precision.scaler.get_scale()
+
+
+class ScaleProbe(Regressor):
+    """Records the gradient manual_backward leaves, and the one a plain backward gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.recorded: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        loss = 1e-3 * torch.nn.functional.mse_loss(self(x), y)  # small: x 2**16 stays finite in fp16
+        weight = self.net[0].weight
+        (plain,) = torch.autograd.grad(loss, weight, retain_graph=True)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        assert weight.grad is not None
+        scale = self.trainer.rig.precision.scaler.get_scale()
+        self.recorded.append((weight.grad.clone(), plain, scale))
+        opt.step()
+
+
+def test_manual_backward_scales_the_loss_under_16_mixed(tmp_path: Path) -> None:
+    module = ScaleProbe()
+    quiet_trainer(tmp_path, max_steps=2, precision="16-mixed").fit(module, loader(16, batch_size=4))
+    for scaled, plain, scale in module.recorded:
+        assert scale == 2.0**16
+        assert torch.allclose(scaled / scale, plain, rtol=1e-2, atol=1e-4)
+        assert scaled.abs().max() > 100 * plain.abs().max()  # not the plain gradient
+
+
+class Manual(Regressor):
+    """Manual optimization of the Regressor: one optimizer, optional accumulation and clipping."""
+
+    def __init__(self, accumulate: int = 1, clip: float | None = None, schedulers: int = 0) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.accumulate, self.clip, self.schedulers = accumulate, clip, schedulers
+        self.norms: list[torch.Tensor | None] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        boundary = (batch_idx + 1) % self.accumulate == 0
+        with self.no_backward_sync(enabled=not boundary):
+            self.manual_backward(loss / self.accumulate)
+        if boundary:
+            self.norms.append(self.clip_gradients(opt, gradient_clip_val=self.clip))
+            opt.step()
+            opt.zero_grad()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if not self.schedulers:
+            return opt
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1) for _ in range(self.schedulers)]
+
+
+@pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (2, None), (2, 0.5)])
+def test_manual_accumulation_and_clipping_equal_the_automatic_trainer(
+    tmp_path: Path, accumulate: int, clip: float | None
+) -> None:
+    torch.manual_seed(0)
+    start = Regressor()
+    automatic = copy.deepcopy(start)
+    quiet_trainer(
+        tmp_path, max_epochs=2, seed=3, accumulate_grad_batches=accumulate, gradient_clip_val=clip
+    ).fit(automatic, loader(32, batch_size=4, shuffle=True))
+    manual = Manual(accumulate, clip)
+    manual.load_state_dict(start.state_dict())
+    trainer = quiet_trainer(tmp_path, max_epochs=2, seed=3)
+    trainer.fit(manual, loader(32, batch_size=4, shuffle=True))
+    assert_all_close(manual.state_dict(), automatic.state_dict())
+    assert trainer.global_step == 16  # every batch counts as a step under manual optimization
+    norms = [n for n in manual.norms if n is not None]
+    assert len(norms) == (16 // accumulate if clip is not None else 0)
+
+
+def test_optimizers_and_lr_schedulers_are_the_prepared_objects(tmp_path: Path) -> None:
+    seen: dict[str, Any] = {}
+
+    class Probe(Manual):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen["optimizers"], seen["schedulers"] = self.optimizers(), self.lr_schedulers()
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(tmp_path, max_steps=1)
+    trainer.fit(Probe(), loader(8))
+    assert seen["optimizers"] is trainer.optimizers[0] and isinstance(seen["optimizers"], torch.optim.SGD)
+    assert seen["schedulers"] is None
+    trainer = quiet_trainer(tmp_path, max_epochs=3)
+    module = Probe(schedulers=1)
+    trainer.fit(module, loader(8))
+    assert seen["schedulers"] is trainer.lr_scheduler_configs[0].scheduler
+    assert seen["schedulers"].last_epoch == 0  # manual optimization steps its own schedulers
+    trainer = quiet_trainer(tmp_path, max_steps=1)
+    trainer.fit(Probe(schedulers=2), loader(8))
+    assert seen["schedulers"] == [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
+
+    class TwoOptimizers(Probe):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            seen["optimizers"] = self.optimizers()
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.Adam(self.net[3].parameters())]
+
+    trainer = quiet_trainer(tmp_path, max_steps=1)
+    trainer.fit(TwoOptimizers(), loader(8))
+    assert seen["optimizers"] == trainer.optimizers and len(seen["optimizers"]) == 2
+
+
+def test_manual_optimization_counts_batches_as_steps_and_stops_at_max_steps(tmp_path: Path) -> None:
+    module = Manual()
+    trainer = quiet_trainer(tmp_path, max_steps=3, max_epochs=5, log_every_n_steps=1)
+    trainer.fit(module, loader(32, batch_size=4))
+    assert trainer.global_step == 3 and trainer.fit_state.batch_idx == 0  # the epoch was ended
+    assert "train_loss" in trainer.logged_metrics and trainer.logged_metrics["epoch"] == 0
+
+
+def test_manual_backward_under_automatic_optimization_is_refused(tmp_path: Path) -> None:
+    class Wrong(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            return loss
+
+    with pytest.raises(RuntimeError, match=r"Wrong.manual_backward\(\) is for manual optimization: set "):
+        quiet_trainer(tmp_path, max_steps=1).fit(Wrong(), loader(8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"accumulate_grad_batches": 2}, r"Trainer\(accumulate_grad_batches=2\) accumulates for the Trainer's own "),
+        ({"gradient_clip_val": 1.0}, r"Trainer\(gradient_clip_val=1.0\) clips at the Trainer's own optimizer steps"),
+    ],
+)
+def test_trainer_stepping_settings_are_refused_under_manual_optimization(
+    tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message + r".*Manual sets automatic_optimization = False"):
+        quiet_trainer(tmp_path, max_steps=1, **kwargs).fit(Manual(), loader(8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"gradient_clip_val": float("nan")}, ValueError, r"^gradient_clip_val=nan must be a finite number >= 0; "),
+        ({"gradient_clip_val": "1"}, TypeError, r"^gradient_clip_val='1' must be a number, not str"),
+        ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "l2"}, ValueError, r"^gradient_clip_algorithm='l2'; "),
+    ],
+)
+def test_clip_gradients_refuses_bad_arguments(
+    tmp_path: Path, kwargs: dict[str, Any], error: type, message: str
+) -> None:
+    class Clipping(Manual):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.clip_gradients(self.optimizers(), **kwargs)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(error, match=message):
+        quiet_trainer(tmp_path, max_steps=1).fit(Clipping(), loader(8))
+
+
+def test_clip_gradients_by_value_bounds_every_element(tmp_path: Path) -> None:
+    grads: list[torch.Tensor] = []
+
+    class ByValue(Manual):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            x, y = batch
+            self.manual_backward(100 * torch.nn.functional.mse_loss(self(x), y))
+            self.clip_gradients(opt, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+            grads.extend(p.grad.clone() for p in self.parameters() if p.grad is not None)
+            opt.step()
+            opt.zero_grad()
+
+    quiet_trainer(tmp_path, max_steps=2).fit(ByValue(), loader(8))
+    assert grads and max(float(g.abs().max()) for g in grads) == pytest.approx(0.01)
+
+
+def test_no_backward_sync_outside_a_fit_says_so() -> None:
+    with pytest.raises(RuntimeError, match="Manual is not attached to a Trainer"), Manual().no_backward_sync():
+        pass
+
+
+def test_fsdp_refuses_manual_optimization(tmp_path: Path) -> None:
+    trainer = quiet_trainer(tmp_path, strategy="fsdp", max_steps=1)
+    with pytest.raises(ValueError, match=r"Manual sets automatic_optimization = False, which strategy=FSDPStrategy"):
+        trainer.fit(Manual(), loader(8))
+
+
+def run_gan(tmp_path: Path, loop: str, devices: int) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"{loop}-{devices}.pt"
+    done = subprocess.run(
+        [sys.executable, str(GAN_SCRIPT), "--loop", loop, "--devices", str(devices), "--epochs", "2", "--save", out],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{loop}: {devices} process(es), 32-true: generated mean (" in done.stdout
+    return torch.load(out)  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_gan_example_on_two_processes_equals_its_rig_loop(tmp_path: Path) -> None:
+    trainer = run_gan(tmp_path, "trainer", 2)
+    assert_all_close(trainer, run_gan(tmp_path, "rig", 2))
+
+
+DDP_SCRIPT = r"""
+import json, sys
+import torch
+import torchrig
+from trainer_helpers import Regressor, loader
+from test_manual_optimization import Manual
+
+torch.manual_seed(0)
+start = Regressor()
+automatic = Regressor()
+automatic.load_state_dict(start.state_dict())
+common = dict(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, seed=3, enable_progress_bar=False,
+              logger=False, enable_checkpointing=False, default_root_dir=sys.argv[1])
+trainer = torchrig.Trainer(accumulate_grad_batches=2, **common)
+trainer.fit(automatic, loader(32, batch_size=2, shuffle=True))
+
+
+class Checked(Manual):
+    # manual accumulation over 2 batches that notes whether the ranks' gradients differ after each backward
+
+    def training_step(self, batch, batch_idx):
+        opt, (x, y) = self.optimizers(), batch
+        boundary = batch_idx % 2 == 1
+        with self.no_backward_sync(enabled=not boundary):
+            self.manual_backward(torch.nn.functional.mse_loss(self(x), y) / 2)
+        grads = self.trainer.rig.all_gather(self.net[0].weight.grad)
+        self.local.append(not torch.equal(grads[0], grads[1]))
+        if boundary:
+            opt.step()
+            opt.zero_grad()
+
+
+manual = Checked()
+manual.local = []
+manual.load_state_dict(start.state_dict())
+trainer = torchrig.Trainer(**common)
+trainer.fit(manual, loader(32, batch_size=2, shuffle=True))
+flat = torch.cat([p.detach().flatten() for p in manual.parameters()])
+gathered = trainer.rig.all_gather(flat)
+expected = torch.cat([p.detach().flatten() for p in automatic.parameters()])
+sys.stdout.write(json.dumps({  # one write: the ranks share the output
+    "ranks": [trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size],
+    "same_on_every_rank": bool(torch.equal(gathered[0], gathered[1])),
+    "equals_automatic": bool(torch.allclose(flat, expected, atol=1e-6)),
+    "steps": trainer.global_step,
+    "local_grads": manual.local,
+}) + "\n")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_manual_accumulation_with_no_backward_sync_on_two_processes(tmp_path: Path) -> None:
+    """DDP without find_unused_parameters: every backward reaches every parameter."""
+    script = tmp_path / "run.py"
+    script.write_text(DDP_SCRIPT)
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{Path(__file__).parent}:{env['PYTHONPATH']}"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=110, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=str)
+    assert [r["ranks"] for r in rows] == [[0, 0, 0, 2], [1, 1, 0, 2]]
+    assert all(r["same_on_every_rank"] and r["equals_automatic"] and r["steps"] == 16 for r in rows)
+    # inside no_backward_sync each rank keeps its own gradients; the next backward averages them
+    assert all(r["local_grads"] == [True, False] * 8 for r in rows)
