@@ -202,6 +202,7 @@ class Trainer:
         #: Notes stop signals during a fit and agrees on them across ranks (see torchrig.preemption).
         self._signals = SignalWatch(self.rig.strategy, ())
         self._started_at = time.monotonic()
+        self._skip_backward_sync = False  # inside TrainingModule.no_backward_sync (manual optimization)
 
     # -- what the run is at --------------------------------------------------------------------
     @property
