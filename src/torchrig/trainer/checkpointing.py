@@ -6,10 +6,13 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchrig import arguments
+from torchrig.strategies.agreement import default_store, every_rank_arrives
 from torchrig.trainer.callbacks import Callback
 from torchrig.trainer.metrics import to_floats
 
@@ -55,6 +58,13 @@ class ModelCheckpoint(Callback):
             falls due sooner is skipped); the state at the end of the fit is then saved too. The
             Trainer's default checkpoint uses 60 s, so runs with short epochs do not spend their
             time writing checkpoints.
+        save_on_exception: when the fit raises an ``Exception`` (not ``KeyboardInterrupt`` or a
+            stop signal, which save at a step of their own), save the state as it is as ``last``,
+            then let the error go on. With several processes only when every rank raised at the
+            same place within ``save_on_exception_timeout`` seconds (a save needs every rank; a rank
+            that did not raise is stuck elsewhere); otherwise nothing is saved and the ranks that
+            raised say so. See docs/trainer.md, "Errors and interrupts".
+        save_on_exception_timeout: how long a rank that raised waits for the others to raise too.
 
     Example:
         >>> cb = ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=2, save_last=True)
@@ -73,6 +83,8 @@ class ModelCheckpoint(Callback):
         every_n_epochs: int | None = None,
         save_last: bool = False,
         train_time_interval: float | None = None,
+        save_on_exception: bool = False,
+        save_on_exception_timeout: float = 30.0,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}); use 'min' or 'max'")
@@ -102,6 +114,14 @@ class ModelCheckpoint(Callback):
         self.every_n_train_steps, self.every_n_epochs = every_n_train_steps, every_n_epochs or 1
         self.save_last = save_last
         self.train_time_interval = train_time_interval
+        if not isinstance(save_on_exception, bool):
+            raise TypeError(f"ModelCheckpoint(save_on_exception={save_on_exception!r}) must be True or False")
+        self.save_on_exception = save_on_exception
+        self.save_on_exception_timeout = arguments.finite_at_least(
+            "ModelCheckpoint(save_on_exception_timeout", save_on_exception_timeout, 0.0, hint=" seconds)"
+        )
+        self._fits = 0  # fits started: the same count on every rank
+        self._in_fit = False  # between on_fit_start and the fit's end
         self._last_save_time = 0.0
         self._skipped = False
         self.best_k_models: dict[str, float] = {}
@@ -121,6 +141,9 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._last_save_time, self._skipped = time.monotonic(), False
         self._adopt_restored(trainer)
+        self._fits, self._in_fit = self._fits + 1, True
+        if self.save_on_exception:  # worked out now, with every rank: a save after an error must not ask
+            self.resolve_dirpath(trainer)
 
     def _adopt_restored(self, trainer: Trainer) -> None:
         """Keep a resumed kept list only if it was written for this very folder (resolved)."""
@@ -151,8 +174,42 @@ class ModelCheckpoint(Callback):
             self._due(trainer)
 
     def on_fit_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        self._in_fit = False
         if self._skipped and trainer.global_step != self._last_step_saved:
             self.save(trainer)
+
+    def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
+        """``save_on_exception``: save ``last`` when every rank raised at the same place of the fit."""
+        if not (self.save_on_exception and self._in_fit and isinstance(exception, Exception)):
+            return
+        self._in_fit = False
+        state, rig = trainer.fit_state, trainer.rig
+        error = type(exception).__name__
+        where = f"epoch {state.epoch}, batch {state.batch_idx}, step {state.global_step}"
+        place = f"{self._fits}/{state.epoch}/{state.batch_idx}/{state.global_step}/{int(state.val_pending)}"
+        key, timeout = f"save_on_exception/{place}", self.save_on_exception_timeout
+        arrival = every_rank_arrives(default_store(), rig.world_size, key, timeout)
+        if not arrival.everyone:
+            if arrival.error is not None:
+                why = f"the other ranks could not be asked ({arrival.error})"
+            elif arrival.arrived < arrival.world_size:
+                why = f"only {arrival.arrived} of {arrival.world_size} ranks raised there within {timeout:g} s"
+            else:
+                why = f"the ranks did not all raise there within {timeout:g} s of each other"
+            print(
+                f"torchrig: rank {rig.global_rank}: {error} at {where}, but {why}; a save needs every rank, so "
+                "ModelCheckpoint(save_on_exception=True) saved nothing (the checkpoints written before stay). "
+                "The error follows.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        try:
+            path = self.save_interrupted(trainer)
+        except Exception as err:  # the error that stopped the fit goes on, not this one
+            print(f"torchrig: rank {rig.global_rank}: save_on_exception could not save: {err!r}", file=sys.stderr)
+            return
+        rig.print(f"torchrig: {error} at {where}: saved it as {path} (last); the error follows", flush=True)
 
     def _due(self, trainer: Trainer) -> None:
         interval = self.train_time_interval

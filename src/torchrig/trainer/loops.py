@@ -18,7 +18,6 @@ import torch
 
 from torchrig.preemption import Preempted
 from torchrig.trainer.metrics import Snapshot, to_floats
-from torchrig.trainer.profiler import BACKWARD, LOGGING, OPTIMIZER, STEP, VALIDATION
 from torchrig.wrappers import RigOptimizer
 
 if TYPE_CHECKING:
@@ -128,8 +127,6 @@ def run_fit(trainer: Trainer) -> None:
     tr._sparse_due = 0.0  # the sparse batch-end hooks see the first batch
     if state.epoch_finished:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
-    if tr.profiler is not None:
-        tr.profiler.start(tr)
     while not _fit_done(tr):
         found = tr._signals.poll()  # a stop signal between epochs: the state is an epoch's end
         if found:
@@ -138,8 +135,6 @@ def run_fit(trainer: Trainer) -> None:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
         if tr.should_stop:
             break
-    if tr.profiler is not None:
-        tr.profiler.stop(tr)
     tr._call_module("on_train_end")
 
 
@@ -194,9 +189,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
     clock, due = time.perf_counter, tr._sparse_due
     timed = tr.max_time is not None
     poll, stop = tr._signals.poll, 0
-    one_batch, validate = _batch_runner(tr), _validate_in_fit
-    if tr.profiler is not None:  # once per epoch: the same loop, its callables timed
-        batches, validate = tr.profiler.wrap_batches(batches), tr.profiler.wrap(VALIDATION, validate)
+    one_batch = _batch_runner(tr)
     tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
     batch_idx = state.batch_idx
     if batch_idx >= n:
@@ -210,7 +203,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
         for hook in batch_end:
             hook(tr, module, output, batch, batch_idx)
         if state.val_pending:
-            validate(tr)
+            _validate_in_fit(tr)
             tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
         if timed and tr._time_is_up():
             tr.should_stop = True
@@ -258,13 +251,6 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     backward = rig.precision.backward_function()
     stepping = [cast(RigOptimizer, o).step_functions() for o in optimizers]  # rig.prepare wrapped them
     steps, zeros = [s for s, _ in stepping], [z for _, z in stepping]
-    clip, schedulers, log_step = _clip_gradients, step_schedulers, _log_step
-    profiler = tr.profiler
-    if profiler is not None:  # the same step with its callables timed (chosen once per epoch)
-        training_step, backward = profiler.wrap(STEP, training_step), profiler.wrap(BACKWARD, backward)
-        steps, zeros = [profiler.wrap(OPTIMIZER, f) for f in steps], [profiler.wrap(OPTIMIZER, f) for f in zeros]
-        clip, schedulers = profiler.wrap(OPTIMIZER, clip), profiler.wrap(OPTIMIZER, schedulers)
-        log_step = profiler.wrap(LOGGING, log_step)
 
     def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
         accumulate = tr.accumulate_grad_batches
@@ -284,16 +270,16 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
                 return output
         # The optimizer step: clip, step and zero every optimizer, step the per-step schedulers.
         if tr.gradient_clip_val is not None:
-            clip(tr, prepared, optimizers)
+            _clip_gradients(tr, prepared, optimizers)
         for step in steps:
             step()
         for zero_grad in zeros:
             zero_grad()
         state.global_step += 1
         if tr.lr_scheduler_configs:
-            schedulers(tr, "step", state.global_step)
+            step_schedulers(tr, "step", state.global_step)
         if state.global_step % tr.log_every_n_steps == 0:
-            log_step(tr)
+            _log_step(tr)
         return output
 
     return one_batch
@@ -309,9 +295,6 @@ def _manual_batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     state, rig = tr.fit_state, tr.rig
     step_caller = prepared.step_caller(prepared._rig_module.training_step)
     training_step = _without_autocast_cache(step_caller) if rig.precision.is_mixed else step_caller
-    log_step = _log_step
-    if tr.profiler is not None:  # the step's backward passes and optimizer steps count in training_step
-        training_step, log_step = tr.profiler.wrap(STEP, training_step), tr.profiler.wrap(LOGGING, log_step)
 
     def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
         # The strategy's wrapper sees the step as one forward, whose end would arm the gradient
@@ -320,7 +303,7 @@ def _manual_batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
             output = training_step(batch, batch_idx)
         state.global_step += 1
         if state.global_step % tr.log_every_n_steps == 0:
-            log_step(tr)
+            _log_step(tr)
         return output
 
     return one_batch
