@@ -336,3 +336,36 @@ def test_manual_accumulation_with_no_backward_sync_on_two_processes(tmp_path: Pa
     assert all(r["same_on_every_rank"] and r["equals_automatic"] and r["steps"] == 16 for r in rows)
     # inside no_backward_sync each rank keeps its own gradients; the next backward averages them
     assert all(r["local_grads"] == [True, False] * 8 for r in rows)
+
+
+NO_FIND_UNUSED = r"""
+import importlib.util, sys
+import torch
+spec = importlib.util.spec_from_file_location("gan_example", sys.argv[1])
+gan = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gan)
+gan.strategy_for = lambda devices: "ddp"  # without find_unused_parameters
+torch.manual_seed(0)
+gan.train_with_trainer(gan.GAN(), devices=2, precision="32-true", epochs=1, seed=1)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_a_backward_that_misses_parameters_under_ddp_asks_for_find_unused_parameters(tmp_path: Path) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(NO_FIND_UNUSED)
+    done = subprocess.run(
+        [sys.executable, str(script), str(GAN_SCRIPT)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=tmp_path,
+    )
+    assert done.returncode != 0
+    assert (
+        "RuntimeError: an earlier backward in this training_step did not reach every parameter (a GAN's "
+        "discriminator loss does not reach the generator), so DDP never finished averaging its gradients; "
+        "pass strategy=torchrig.DDPStrategy(find_unused_parameters=True)" in done.stderr
+    ), done.stderr[-3000:]

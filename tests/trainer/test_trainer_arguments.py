@@ -97,7 +97,7 @@ _ARGS = [
     "gradient_clip_val", "gradient_clip_algorithm", "val_check_interval", "check_val_every_n_epoch",
     "limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
     "num_sanity_val_steps", "callbacks", "logger", "log_every_n_steps", "default_root_dir",
-    "deterministic", "seed",
+    "deterministic", "seed", "fast_dev_run", "overfit_batches", "detect_anomaly",
 ]  # fmt: skip
 
 

@@ -50,7 +50,8 @@ def configure(
     batches = fast_dev_run_batches(fast_dev_run)
     if batches and overfit_batches:
         raise ValueError(
-            f"fast_dev_run={fast_dev_run!r} and overfit_batches={overfit_batches!r} both limit the batches; give one"
+            f"fast_dev_run={arguments.shown(fast_dev_run)} and overfit_batches={arguments.shown(overfit_batches)} "
+            "both limit the batches; give one"
         )
     if overfit_batches:
         tr.limit_train_batches = tr.limit_val_batches = overfit_batches
@@ -64,7 +65,7 @@ def configure(
     tr.callbacks = [cb for cb in tr.callbacks if not isinstance(cb, ModelCheckpoint)]
     plural = "es" if batches > 1 else ""
     tr.rig.print(
-        f"torchrig: fast_dev_run={fast_dev_run!r}: {batches} batch{plural} of each loop, 1 epoch; "
+        f"torchrig: fast_dev_run={arguments.shown(fast_dev_run)}: {batches} batch{plural} of each loop, 1 epoch; "
         "no checkpoints or logs are written"
     )
     return batches, overfit_batches, detect_anomaly
