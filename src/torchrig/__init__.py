@@ -35,11 +35,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``torchrig.cli`` (``torchrig.cli.CLI(MyModule, MyData)``) without importing it at ``import torchrig``."""
-    if name == "cli":
+    """``torchrig.cli`` (``torchrig.cli.CLI(MyModule, MyData)``) and ``torchrig.tune``
+    (``torchrig.tune.lr_find(...)``) without importing them at ``import torchrig``."""
+    if name in ("cli", "tune"):
         import importlib
 
-        return importlib.import_module("torchrig.cli")
+        return importlib.import_module(f"torchrig.{name}")
     raise AttributeError(f"module 'torchrig' has no attribute {name!r}")
 
 
