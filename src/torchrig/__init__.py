@@ -29,6 +29,8 @@ from torchrig.trainer import (
     TrainingModule,
 )
 from torchrig.trainer.loggers import CSVLogger, TensorBoardLogger  # tensorboard itself loads on first use
+from torchrig.trainer.loggers_mlflow import MLflowLogger  # mlflow itself loads when one is made
+from torchrig.trainer.loggers_wandb import WandbLogger  # wandb itself loads when one is made
 from torchrig.trainer.progress import ProgressBar
 
 __version__ = "0.1.0"
@@ -60,6 +62,7 @@ __all__ = [
     "EarlyStopping",
     "FSDPStrategy",
     "LearningRateMonitor",
+    "MLflowLogger",
     "ModelCheckpoint",
     "Plan",
     "Precision",
@@ -72,6 +75,7 @@ __all__ = [
     "TorchDeviceAccelerator",
     "Trainer",
     "TrainingModule",
+    "WandbLogger",
     "XLAAccelerator",
     "__version__",
     "current_device_index",

@@ -42,6 +42,11 @@ class Logger:
     def flush(self) -> None:
         """Write what is buffered (one host sync for everything buffered)."""
 
+    def after_save_checkpoint(self, path: Path) -> None:
+        """The Trainer saved the checkpoint directory ``path`` (called on every rank once the save
+        is complete, from :meth:`Trainer.save_checkpoint <torchrig.Trainer.save_checkpoint>`).
+        Nothing by default; a logger of a tracking service records it."""
+
     def finalize(self, status: str) -> None:
         """The run ended with ``status`` ("success", "failed", "interrupted"): flush and close."""
         self.flush()

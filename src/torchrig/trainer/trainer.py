@@ -365,7 +365,10 @@ class Trainer:
             cb.on_save_checkpoint(self, self._require_module(), extra)
         if extra:
             state["callback_extras"] = extra
-        return self.rig.save(path, state, link=link)
+        saved = self.rig.save(path, state, link=link)
+        for lg in self.loggers:
+            lg.after_save_checkpoint(saved)
+        return saved
 
     # -- plumbing shared with runner/loops -------------------------------------------------------
     def _launch(self, body: Callable[..., Any], *args: Any) -> Any:
