@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from torchrig.resolve import Plan, resolve
 from torchrig.strategies import Strategy
 from torchrig.strategies.base import reset_parameters
 from torchrig.wrappers import RigModule, RigOptimizer, wrap_optimizer
+
+if TYPE_CHECKING:
+    from torchrig.checkpoint.background import SaveHandle
 
 
 class Rig:
@@ -87,6 +90,8 @@ class Rig:
         self._loaders: list[RigDataLoader] = []
         self._launched = False
         self._signal_watch: SignalWatch | None = None
+        self._pending_save: SaveHandle | None = None  # rig.save(..., blocking=False) under way
+        self._save_group: Any = None  # the process group of background sharded saves
         if not self.strategy.needs_launch:
             self.strategy.setup_environment()
             self._launched = True
@@ -404,12 +409,60 @@ class Rig:
         return gather_for_metrics(self, obj)
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], state: dict[str, Any], **kwargs: Any) -> Path:
-        """Save ``state`` atomically to the checkpoint directory ``path`` (see :mod:`torchrig.checkpoint`)."""
+    @overload
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        *,
+        keep_last: int | None = ...,
+        link: str | None = ...,
+        blocking: Literal[True] = ...,
+    ) -> Path: ...
+
+    @overload
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        *,
+        keep_last: int | None = ...,
+        link: str | None = ...,
+        blocking: Literal[False],
+    ) -> SaveHandle: ...
+
+    @overload
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        *,
+        keep_last: int | None = ...,
+        link: str | None = ...,
+        blocking: bool,
+    ) -> Path | SaveHandle: ...
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        *,
+        keep_last: int | None = None,
+        link: str | None = "last",
+        blocking: bool = True,
+    ) -> Path | SaveHandle:
+        """Save ``state`` atomically to the checkpoint directory ``path`` (see :mod:`torchrig.checkpoint`).
+
+        ``blocking=False`` returns a :class:`~torchrig.checkpoint.SaveHandle` once a snapshot is
+        taken; the files are written in the background (docs/checkpoints.md, "Async saves").
+        """
         from torchrig import checkpoint
 
-        saved = checkpoint.save(self, path, state, **kwargs)
-        self.strategy.record_progress()  # for the crash-loop check of torchrun restarts
+        saved = checkpoint.save(self, path, state, keep_last=keep_last, link=link, blocking=blocking)
+        if isinstance(saved, Path):
+            self.strategy.record_progress()  # for the crash-loop check of torchrun restarts
+        else:
+            saved.add_commit_hook(lambda _: self.strategy.record_progress())
         return saved
 
     def load(

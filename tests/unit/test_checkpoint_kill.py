@@ -23,7 +23,9 @@ from torchrig.checkpoint import files
 # One process imports torch once, then for every k forks a child that saves step 2 over step 1
 # (same name, ``last`` pointing at it) and dies (os._exit: no clean-up, as SIGKILL) at its k-th
 # file-system change. The parent then loads ``last`` as it is, saves step 3 (which must tidy
-# every leftover) and reports what it found.
+# every leftover) and reports what it found. In mode "async" the child saves in the background
+# (rig.save(..., blocking=False)) and changes the weights at once, as training would: it dies on
+# the save's thread, and what loads must be the weights of the call.
 DRIVER = r"""
 import json, os, shutil, sys, warnings
 import torch
@@ -35,6 +37,7 @@ rig = torchrig.Rig(accelerator="cpu")
 model = torch.nn.Linear(3, 3)
 base = os.path.join(root, "base")
 rig.save(os.path.join(base, "ck"), {"model": model, "step": 1})
+background = mode == "async"
 if mode == "fallback":
     files.exchange = lambda a, b: False  # an OS or file system without renameat2(RENAME_EXCHANGE)
 elif not files.exchange(os.path.join(base, "ck"), os.path.join(base, "ck")):  # same path: a no-op swap
@@ -52,7 +55,7 @@ def patched(k, seen):
         setattr(owner, name, op)
     for owner, name in [(os, "rename"), (os, "replace"), (os, "symlink"), (os, "unlink"), (shutil, "rmtree")]:
         wrap(owner, name)
-    if mode == "exchange":
+    if mode != "fallback":
         wrap(files, "exchange")
 
 def replace_step_1(k):
@@ -62,7 +65,11 @@ def replace_step_1(k):
     if pid == 0:
         seen = []
         patched(k, seen)
-        rig.save(os.path.join(d, "ck"), {"model": model, "step": 2})
+        handle = rig.save(os.path.join(d, "ck"), {"model": model, "step": 2}, blocking=not background)
+        if background:
+            with torch.no_grad():
+                model.weight.add_(1000.0)  # the step after the call: not in the checkpoint
+            handle.wait()
         with open(os.path.join(root, "ops.json"), "w") as f:
             json.dump(seen, f)
         os._exit(0)
@@ -78,13 +85,15 @@ for k in range(1, len(ops) + 2):
     try:
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
-            step = rig.load(os.path.join(d, "last"))["step"]
+            left = rig.load(os.path.join(d, "last"))
+        step, weights = left["step"], torch.equal(left["model"]["weight"], model.weight)
     except Exception as err:
-        step = f"{type(err).__name__}: {err}"
+        step, weights = f"{type(err).__name__}: {err}", False
     rig.save(os.path.join(d, "ck"), {"model": model, "step": 3})
     after = rig.load(os.path.join(d, "last"))["step"]
     op = ops[k - 1] if k <= len(ops) else "none (finished)"
-    results.append({"k": k, "op": op, "code": code, "step": step, "after": after, "left": sorted(os.listdir(d))})
+    left = sorted(os.listdir(d))
+    results.append({"k": k, "op": op, "code": code, "step": step, "weights": weights, "after": after, "left": left})
 print(json.dumps(results))
 """
 
@@ -104,17 +113,18 @@ def _kill_everywhere(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(110)
-@pytest.mark.parametrize("mode", ["exchange", "fallback"])
+@pytest.mark.parametrize("mode", ["exchange", "fallback", "async"])
 def test_a_kill_at_every_step_of_a_replacing_save_never_loses_last(tmp_path: Path, mode: str) -> None:
     results = _kill_everywhere(tmp_path, mode)
     ops = [r["op"] for r in results]
     # The ops that change what is at ck or last are all among the kill points (rmtree's own unlinks too).
-    needed = ["exchange"] if mode == "exchange" else ["rename", "rename"]
+    needed = ["rename", "rename"] if mode == "fallback" else ["exchange"]
     assert [o for o in ops if o in ("exchange", "rename")] == needed, ops
     assert ops.count("symlink") == 1 and ops.count("replace") == 1 and "rmtree" in ops, ops
     assert [r["code"] for r in results] == [17] * (len(results) - 1) + [0], results
     for r in results:
         assert r["step"] in (1, 2), f"killed at {r['op']} (change {r['k']}): loading last gave {r['step']!r}"
+        assert r["weights"], r  # step 1's, or the snapshot step 2 took in the call
         # The next save tidies every leftover (temp dirs, old copies, temp links) and is what last is.
         assert r["after"] == 3 and r["left"] == ["ck", "last"], r
     # Before the checkpoint is replaced the old one loads, after it the new one: both are seen.

@@ -25,6 +25,9 @@ Guarantees:
   file whose SHA-256 differs from ``meta.json`` is refused by name.
 * **Bit-exact resume**: RNG states and the dataloader position are restored, so a resumed run
   continues at the next batch and ends bitwise equal to an uninterrupted one.
+* **In the background** if asked: ``rig.save(path, state, blocking=False)`` takes a snapshot in
+  host memory and returns a :class:`SaveHandle`; the same files are written and committed the
+  same way on a background thread (:mod:`.background`).
 
 Example:
     >>> import torch, torchrig, tempfile, os
@@ -46,10 +49,11 @@ from typing import Any
 
 import torch
 
+from torchrig.checkpoint.background import SaveHandle
 from torchrig.checkpoint.core import load, save
 from torchrig.checkpoint.files import CheckpointError, read_meta, resolve_checkpoint, verify_files
 
-__all__ = ["CheckpointError", "consolidate", "describe", "load", "save"]
+__all__ = ["CheckpointError", "SaveHandle", "consolidate", "describe", "load", "save"]
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -14,15 +14,16 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
 
-from torchrig.checkpoint import sharded
+from torchrig.checkpoint import background, sharded
+from torchrig.checkpoint.background import SaveHandle
 from torchrig.checkpoint.files import (
     FORMAT,
     FORMAT_VERSION,
@@ -325,8 +326,8 @@ def _payload_bytes(payload: dict[str, Any]) -> int:
 
 
 def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | None, link: str | None) -> None:
-    """Rank zero: write every file into a temp dir, fsync, then rename it into place."""
-    check_weights_only(payload["blob"])  # fails before any file is touched
+    """Rank zero: write every file into a temp dir, fsync, then rename it into place (``payload``
+    passed :func:`check_weights_only`)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target.parent)
     tmp = temp_dir_for(target)
@@ -361,7 +362,7 @@ _arrived = [0]  # rig.save calls every rank arrived at, counted alike on every r
 ARRIVAL_TIMEOUT_ENV = "TORCHRIG_SAVE_ARRIVAL_TIMEOUT"
 
 
-def all_ranks_arrive(rig: Any, target: Path) -> None:
+def all_ranks_arrive(rig: Any, target: Path) -> int | None:
     """Say within about a minute when some rank has not called ``rig.save``; fail at the group's timeout.
 
     Saving is collective (every rank's RNG state is gathered, FSDP ranks write their shards), so
@@ -371,13 +372,17 @@ def all_ranks_arrive(rig: Any, target: Path) -> None:
     ``TORCHRIG_SAVE_ARRIVAL_TIMEOUT`` seconds (60) a warning names the absent ranks; a rank that is
     only late (rank 0 evaluating alone before the save) then still arrives and the save goes on.
     At the process group's timeout the wait ends in a ``RuntimeError`` that says every rank must call it.
+
+    Returns the save's round: the number of saves every rank arrived at before this one (the
+    same on every rank; it names the store key of rank zero's outcome, see :mod:`.background`),
+    or None without a process group's store.
     """
     import torch.distributed as dist
 
     try:
         store = dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):  # no default group, or a torch without the store
-        return
+        return None
     n = _arrived[0]
     warn_after = float(os.environ.get(ARRIVAL_TIMEOUT_ENV, "60"))
     group_timeout = getattr(getattr(rig, "strategy", None), "timeout", None)
@@ -416,6 +421,44 @@ def all_ranks_arrive(rig: Any, target: Path) -> None:
     if n:
         with contextlib.suppress(RuntimeError, dist.DistError):
             store.delete_key(key(n - 1, rig.global_rank))  # every rank is past the previous save's wait
+        background.forget_outcome(rig, n - 1)  # and has learnt its outcome (a save waits for the previous one)
+    return n
+
+
+@overload
+def save(
+    rig: Any,
+    path: str | os.PathLike[str],
+    state: dict[str, Any],
+    *,
+    keep_last: int | None = ...,
+    link: str | None = ...,
+    blocking: Literal[True] = ...,
+) -> Path: ...
+
+
+@overload
+def save(
+    rig: Any,
+    path: str | os.PathLike[str],
+    state: dict[str, Any],
+    *,
+    keep_last: int | None = ...,
+    link: str | None = ...,
+    blocking: Literal[False],
+) -> SaveHandle: ...
+
+
+@overload
+def save(
+    rig: Any,
+    path: str | os.PathLike[str],
+    state: dict[str, Any],
+    *,
+    keep_last: int | None = ...,
+    link: str | None = ...,
+    blocking: bool,
+) -> Path | SaveHandle: ...
 
 
 def save(
@@ -425,11 +468,13 @@ def save(
     *,
     keep_last: int | None = None,
     link: str | None = "last",
-) -> Path:
+    blocking: bool = True,
+) -> Path | SaveHandle:
     """Save ``state`` atomically as the checkpoint directory ``path``; see :mod:`torchrig.checkpoint`.
 
     Every rank calls it; rank zero writes (under FSDP every rank writes its shards) and the
-    others wait for it, and an error on rank zero is raised on every rank.
+    others wait for it, and an error on rank zero is raised on every rank. A save still running
+    in the background (``blocking=False``) is waited for first, and its error raised here.
 
     Args:
         rig: the :class:`~torchrig.Rig` of the run.
@@ -438,17 +483,23 @@ def save(
             a GradScaler (anything with ``state_dict``/``load_state_dict``), and plain values.
         keep_last: keep only the newest ``keep_last`` checkpoints next to ``path``.
         link: the symlink next to ``path`` pointed at it (``None``: no link).
+        blocking: ``False`` takes a snapshot of ``state`` in host memory and returns at once; the
+            files are written, checked and committed on a background thread (see
+            :class:`~torchrig.checkpoint.SaveHandle`).
 
     Returns:
-        The checkpoint directory.
+        The checkpoint directory, or with ``blocking=False`` a :class:`SaveHandle` whose ``wait()``
+        returns it once committed.
 
     Example:
-        >>> # rig.save(f"ckpt/step-{step:06d}", {"model": model, "optimizer": opt, "step": step}, keep_last=3)
+        >>> # rig.save(f"ckpt/step-{step:06d}", {"model": model, "opt": opt, "step": step}, keep_last=3)
     """
     if not isinstance(state, dict):
         raise TypeError(f"save() takes state as a dict such as {{'model': model, 'step': 3}}, got {type(state)}")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be a positive int (or None to keep every checkpoint)")
+    if not isinstance(blocking, bool):
+        raise TypeError(f"save(blocking={blocking!r}) must be True or False")
     target = Path(path).absolute()
     if link is not None and target.name == link:
         raise ValueError(
@@ -457,24 +508,50 @@ def save(
         )
     for key in state:
         check_key(key)
-    if rig.world_size > 1:
-        all_ranks_arrive(rig, target)
-    if rig.strategy.sharded:
-        return sharded.save(rig, target, state, keep_last=keep_last, link=link)
+    settle_pending(rig)
+    n = all_ranks_arrive(rig, target) if rig.world_size > 1 else None
+    shared = background.shared_outcome(rig, n)
+    handle = background.SaveHandle(target, shared=None if rig.is_global_zero else shared)
+    publish = shared if rig.is_global_zero else None
+    job: Callable[[], None] | None
+    with handle.starting(publish):
+        if rig.strategy.sharded:
+            job = sharded.start(rig, target, state, keep_last=keep_last, link=link, blocking=blocking)
+        else:
+            job = _start_whole(rig, target, state, keep_last=keep_last, link=link, blocking=blocking)
+    handle.start(job, background=not blocking, publish=publish)
+    if blocking:
+        return handle.wait()
+    rig._pending_save = handle
+    return handle
+
+
+def _start_whole(
+    rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None, link: str | None, blocking: bool
+) -> Callable[[], None] | None:
+    """Gather a whole checkpoint's state on every rank; rank zero's job writes it (others have none)."""
     payload = collect(rig, state)
-    error: BaseException | None = None
-    if rig.is_global_zero:
-        try:
-            write(rig, target, payload, keep_last=keep_last, link=link)
-        except BaseException as err:
-            error = err
-    if rig.world_size > 1:  # every rank learns whether rank zero succeeded (this is the barrier)
-        msg = rig.broadcast(None if error is None else f"{type(error).__name__}: {error}")
-        if msg is not None and error is None:
-            raise RuntimeError(f"rank 0 failed to save the checkpoint {target}: {msg}")
-    if error is not None:
-        raise error
-    return target
+    if not rig.is_global_zero:
+        return None
+    check_weights_only(payload["blob"])  # fails before any file is touched
+    ready: Callable[[], None] | None = None
+    if not blocking:
+        payload, ready = background.to_host(payload)
+
+    def job() -> None:
+        if ready is not None:
+            ready()
+        write(rig, target, payload, keep_last=keep_last, link=link)
+
+    return job
+
+
+def settle_pending(rig: Any) -> None:
+    """Wait for the save ``rig`` runs in the background, if any; raise its error if nobody has yet."""
+    pending: SaveHandle | None = getattr(rig, "_pending_save", None)
+    if pending is not None:
+        rig._pending_save = None
+        pending.settle()
 
 
 def load(
@@ -490,6 +567,7 @@ def load(
 
     Every file is checked against its SHA-256 before anything is changed; RNG states are
     restored when ``state`` is given (so training continues exactly), not when only reading.
+    A save running in the background is waited for first (its error is raised here).
 
     Args:
         rig: the :class:`~torchrig.Rig` of the run.
@@ -507,6 +585,7 @@ def load(
     Example:
         >>> # left = rig.load("ckpt/last", {"model": model, "optimizer": opt}); step = left["step"]
     """
+    settle_pending(rig)  # a save running in the background first (it may be the one loaded)
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
     if state is not None and not isinstance(state, dict):

@@ -15,7 +15,7 @@ import hashlib
 import io
 import pickle
 import pickletools
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -255,11 +255,19 @@ def dcp_state(modules: dict[str, nn.Module], optims: dict[str, Any]) -> dict[str
     return out
 
 
-def save(rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None, link: str | None) -> Path:
-    """Every rank writes its shards into one temp dir; rank zero hashes, describes and commits it."""
+def start(
+    rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None, link: str | None, blocking: bool
+) -> Callable[[], None]:
+    """Every rank hands its shards to DCP, all into one temp dir; returns this rank's job: wait
+    until the shards are written, then (rank zero) hash, describe and commit the directory.
+
+    With ``blocking=False`` DCP's ``async_save`` (thread mode) copies the shards to host memory
+    here and writes them on its own thread, its collectives on a process group of their own
+    (:func:`_save_group`) so they never meet the training's on the default group.
+    """
     import torch.distributed.checkpoint as dcp
 
-    from torchrig.checkpoint import core
+    from torchrig.checkpoint import background, core
     from torchrig.checkpoint.files import discard, remove_stale_temps, temp_dir_for
 
     modules, optims, rest = split(state)
@@ -269,27 +277,54 @@ def save(rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(target.parent)
     tmp = Path(rig.broadcast(str(temp_dir_for(target)) if rig.is_global_zero else None))
-    error: BaseException | None = None
-    try:
-        dcp.save(shards, checkpoint_id=tmp)  # FileSystemWriter fsyncs every file it writes
-    except BaseException as err:
-        error = err
-    failed = not rig.reduce_boolean_decision(error is None, all=True)
-    if rig.is_global_zero and not failed:
+    ready: Callable[[], None] | None = None
+    if blocking:
+        written: Callable[[], Any] = functools.partial(dcp.save, shards, checkpoint_id=tmp)
+    else:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        cuda = rig.device.type == "cuda"
+        stager = DefaultStager(StagingOptions(cuda, False, False, cuda))  # a copy in (pinned) host memory
+        future = dcp.async_save(
+            shards,
+            checkpoint_id=tmp,
+            process_group=_save_group(rig),
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,  # its process mode hung on CPU
+            async_stager=stager,
+        )
+        written = future.result  # type: ignore[union-attr]  # a Future: no async_stager returns a response
+        if rig.is_global_zero:
+            blob, ready = background.to_host(payload["blob"])
+            payload = {**payload, "blob": blob}
+
+    def job() -> None:
         try:
-            _finish(rig, tmp, target, payload, modules, optims, keep_last=keep_last, link=link)
+            written()  # FileSystemWriter fsyncs every file; a failure on any rank is raised on every rank
+            if rig.is_global_zero:
+                if ready is not None:
+                    ready()
+                _finish(rig, tmp, target, payload, modules, optims, keep_last=keep_last, link=link)
         except BaseException as err:
-            error = err
-    if rig.is_global_zero and (failed or error is not None):
-        discard(tmp)
-    msg = rig.broadcast(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        needed = rig.world_size * _local_bytes(shards) + core._payload_bytes({"modules": {}, "blob": payload["blob"]})
-        core.raise_no_space(error, target, needed)
-        raise error
-    if msg is not None or failed:
-        raise RuntimeError(f"saving the sharded checkpoint {target} failed on another rank: {msg or 'see its log'}")
-    return target
+            if rig.is_global_zero:
+                discard(tmp)
+            blob_bytes = core._payload_bytes({"modules": {}, "blob": payload["blob"]})
+            needed = rig.world_size * _local_bytes(shards) + blob_bytes
+            core.raise_no_space(err, target, needed)
+            raise
+
+    return job
+
+
+def _save_group(rig: Any) -> Any:
+    """The process group (gloo, every rank) of background sharded saves, made at the first one
+    (every rank calls ``rig.save``, so every rank makes it at the same point)."""
+    import torch.distributed as dist
+
+    group = getattr(rig, "_save_group", None)
+    if group is None:
+        group = rig._save_group = dist.new_group(backend="gloo")
+    return group
 
 
 def _local_bytes(shards: dict[str, Any]) -> int:

@@ -58,6 +58,10 @@ class ModelCheckpoint(Callback):
             falls due sooner is skipped); the state at the end of the fit is then saved too. The
             Trainer's default checkpoint uses 60 s, so runs with short epochs do not spend their
             time writing checkpoints.
+        async_save: write checkpoints in the background (``rig.save(..., blocking=False)``): the
+            step only copies the state to host memory. One save at a time (the next one waits for
+            the previous), older checkpoints are removed only once the new one is committed, and
+            the fit's end, an error and a stop signal wait for it. See docs/checkpoints.md, "Async saves".
         save_on_exception: when the fit raises an ``Exception`` (not ``KeyboardInterrupt`` or a
             stop signal, which save at a step of their own), save the state as it is as ``last``,
             then let the error go on. With several processes only when every rank raised at the
@@ -83,6 +87,7 @@ class ModelCheckpoint(Callback):
         every_n_epochs: int | None = None,
         save_last: bool = False,
         train_time_interval: float | None = None,
+        async_save: bool = False,
         save_on_exception: bool = False,
         save_on_exception_timeout: float = 30.0,
     ) -> None:
@@ -114,6 +119,9 @@ class ModelCheckpoint(Callback):
         self.every_n_train_steps, self.every_n_epochs = every_n_train_steps, every_n_epochs or 1
         self.save_last = save_last
         self.train_time_interval = train_time_interval
+        if not isinstance(async_save, bool):
+            raise TypeError(f"ModelCheckpoint(async_save={async_save!r}) must be True or False")
+        self.async_save = async_save
         if not isinstance(save_on_exception, bool):
             raise TypeError(f"ModelCheckpoint(save_on_exception={save_on_exception!r}) must be True or False")
         self.save_on_exception = save_on_exception
@@ -177,9 +185,11 @@ class ModelCheckpoint(Callback):
         self._in_fit = False
         if self._skipped and trainer.global_step != self._last_step_saved:
             self.save(trainer)
+        self._wait_for_save(trainer)  # the fit ends with its checkpoints committed
 
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
         """``save_on_exception``: save ``last`` when every rank raised at the same place of the fit."""
+        self._wait_after_error(trainer, exception)
         if not (self.save_on_exception and self._in_fit and isinstance(exception, Exception)):
             return
         self._in_fit = False
@@ -221,9 +231,32 @@ class ModelCheckpoint(Callback):
                 return
         self.save(trainer)
 
+    def _wait_for_save(self, trainer: Trainer) -> None:
+        """A background save (``async_save``) still running is committed, and its retention done,
+        before this returns; its error is raised here unless it was raised already."""
+        from torchrig.checkpoint.core import settle_pending
+
+        settle_pending(trainer.rig)
+
+    def _wait_after_error(self, trainer: Trainer, exception: BaseException) -> None:
+        """The fit raised: the background save still running is waited for all the same (the
+        process must not end before it is committed); its own error is added to the fit's as a note."""
+        try:
+            self._wait_for_save(trainer)
+        except BaseException as err:
+            note = f"torchrig: the background checkpoint save failed as well: {type(err).__name__}: {err}"
+            if hasattr(exception, "add_note"):  # Python 3.11+: shown with the fit's traceback
+                exception.add_note(note)
+            else:
+                print(note, file=sys.stderr, flush=True)
+
     # -- what ------------------------------------------------------------------------------------
     def save(self, trainer: Trainer) -> Path | None:
-        """Save now (on every rank); returns the path, or None when the score is not in the top k."""
+        """Save now (on every rank); returns the path, or None when the score is not in the top k.
+
+        With ``async_save`` the files are still being written when it returns (see :meth:`_wait_for_save`).
+        """
+        self._wait_for_save(trainer)  # the previous save's retention runs with the bookkeeping it was made with
         self._last_step_saved, self._last_save_time, self._skipped = trainer.global_step, time.monotonic(), False
         score = self._score(trainer)
         self._adopt_restored(trainer)
@@ -251,8 +284,11 @@ class ModelCheckpoint(Callback):
         self.last_model_path = key
         if key not in self._saved:
             self._saved.append(key)
-        trainer.save_checkpoint(path, link="last" if self.save_last else None)
-        self._remove_stale(trainer)
+        saved = trainer.save_checkpoint(path, link="last" if self.save_last else None, blocking=not self.async_save)
+        if isinstance(saved, Path):
+            self._remove_stale(trainer)
+        else:  # stale checkpoints go only once the new one is committed
+            saved.add_commit_hook(lambda _: self._remove_stale(trainer))
         return path
 
     def save_interrupted(self, trainer: Trainer) -> Path:
@@ -261,6 +297,7 @@ class ModelCheckpoint(Callback):
         Named by ``filename`` (by epoch and step where it uses a metric not logged yet); not
         ranked. Already saved at this step with ``save_last``: that checkpoint is ``last``.
         """
+        self._wait_for_save(trainer)  # a background save is committed first (the requeue follows this)
         folder = self.resolve_dirpath(trainer).resolve()
         if self.save_last and self._last_step_saved == trainer.global_step and self.last_model_path:
             return Path(self.last_model_path)

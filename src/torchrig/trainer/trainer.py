@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch.utils.data import DataLoader
@@ -355,8 +355,20 @@ class Trainer:
 
         return self._launch(run_eval_stage, "predict", module, dataloaders, datamodule, ckpt_path)  # type: ignore[no-any-return]
 
-    def save_checkpoint(self, path: str | os.PathLike[str], *, link: str | None = "last") -> Path:
-        """Save everything a resumed fit needs to the checkpoint directory ``path`` (all ranks call it)."""
+    @overload
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], *, link: str | None = ..., blocking: Literal[True] = ...
+    ) -> Path: ...
+
+    @overload
+    def save_checkpoint(self, path: str | os.PathLike[str], *, link: str | None = ..., blocking: bool) -> Any: ...
+
+    def save_checkpoint(self, path: str | os.PathLike[str], *, link: str | None = "last", blocking: bool = True) -> Any:
+        """Save everything a resumed fit needs to the checkpoint directory ``path`` (all ranks call it).
+
+        ``blocking=False``: ``rig.save``'s background save; returns its
+        :class:`~torchrig.checkpoint.SaveHandle` (the loggers hear of the checkpoint once it is committed).
+        """
         from torchrig.trainer.runner import checkpoint_state
 
         state = checkpoint_state(self)
@@ -365,9 +377,16 @@ class Trainer:
             cb.on_save_checkpoint(self, self._require_module(), extra)
         if extra:
             state["callback_extras"] = extra
-        saved = self.rig.save(path, state, link=link)
-        for lg in self.loggers:
-            lg.after_save_checkpoint(saved)
+        saved = self.rig.save(path, state, link=link, blocking=blocking)
+
+        def committed(folder: Path) -> None:
+            for lg in self.loggers:
+                lg.after_save_checkpoint(folder)
+
+        if isinstance(saved, Path):
+            committed(saved)
+        else:
+            saved.add_commit_hook(committed)
         return saved
 
     # -- plumbing shared with runner/loops -------------------------------------------------------

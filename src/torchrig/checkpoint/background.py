@@ -1,0 +1,248 @@
+"""Saves that finish in the background: ``rig.save(path, state, blocking=False)``.
+
+Inside the call only a snapshot is taken (every tensor copied to CPU memory, pinned when it lives
+on a CUDA device; plain values deep-copied), so training may change the objects right after.
+Writing, fsync, SHA-256, ``meta.json``, the atomic rename, the ``last`` link and retention run on
+one background thread; the returned :class:`SaveHandle` says when that is done.
+
+Across processes no collective ever runs on the background thread: the ranks learn rank zero's
+outcome through the process group's key-value store (whose client serializes its requests), under
+a key of the save's round (see :func:`torchrig.checkpoint.core.all_ranks_arrive`). Sharded saves run
+DCP's collectives on a process group of their own (:mod:`.sharded`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours)
+import contextlib
+import copy
+import datetime
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_RESULT = "torchrig/save/{}/result".format  # rank zero's outcome of save round n: "" or "Type: message"
+_unsettled: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
+
+
+class SaveHandle:
+    """A checkpoint that ``rig.save(path, state, blocking=False)`` is writing in the background.
+
+    ``wait()`` returns the checkpoint directory once it is committed on every rank's behalf (rank
+    zero writes; the others learn its outcome), or raises what went wrong. The next ``rig.save``
+    and ``rig.load`` wait for it themselves and raise its error there if nobody else did.
+
+    Example:
+        >>> # handle = rig.save("ckpt/step-000100", {"model": model, "optimizer": opt}, blocking=False)
+        >>> # ... keep training ...; handle.wait()  # the Path, once committed
+    """
+
+    def __init__(self, path: Path, *, shared: _Shared | None = None) -> None:
+        self.path = path
+        self._local: Future[None] = Future()
+        self._shared = shared  # how a rank other than zero learns rank zero's outcome
+        self._hooks: list[Callable[[Path], None]] = []
+        self._outcome: BaseException | None = None
+        self._settled = False  # the outcome is known (and the hooks ran if it succeeded)
+        self._reported = False  # the error was raised to someone
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({str(self.path)!r}, done={self.done()})"
+
+    def done(self) -> bool:
+        """Whether the save is over (committed or failed); never waits."""
+        if not self._local.done():
+            return False
+        return self._shared is None or self._shared.ready()
+
+    def wait(self) -> Path:
+        """Wait until the checkpoint is committed and return its directory; raise if the save failed."""
+        self._settle()
+        if self._outcome is not None:
+            self._reported = True
+            raise self._outcome
+        return self.path
+
+    def add_commit_hook(self, hook: Callable[[Path], None]) -> None:
+        """Run ``hook(path)`` once the checkpoint is committed, on the thread that waits for it."""
+        if self._settled and self._outcome is None:
+            hook(self.path)
+        else:
+            self._hooks.append(hook)
+
+    # -- used by torchrig ------------------------------------------------------------------
+    def settle(self) -> None:
+        """:meth:`wait`, but an error already raised to someone is not raised again."""
+        self._settle()
+        if self._outcome is not None and not self._reported:
+            self._reported = True
+            raise self._outcome
+
+    def _settle(self) -> None:
+        if self._settled:
+            return
+        try:
+            self._local.result()
+            if self._shared is not None:
+                self._shared.check(self.path)
+        except BaseException as err:
+            self._outcome = err
+        self._settled = True
+        _unsettled.discard(self)
+        if self._outcome is None:
+            hooks, self._hooks = self._hooks, []
+            for hook in hooks:
+                hook(self.path)
+
+    def start(self, job: Callable[[], None] | None, *, background: bool, publish: _Shared | None = None) -> None:
+        """Run this rank's part of the save (``None``: nothing to write here) inline or on a thread;
+        with ``publish`` (rank zero), its outcome is published to the other ranks."""
+
+        def run() -> None:
+            try:
+                if job is not None:
+                    job()
+            except BaseException as err:
+                if publish is not None:
+                    publish.publish(f"{type(err).__name__}: {err}")
+                self._local.set_exception(err)
+                return
+            if publish is not None:
+                publish.publish("")
+            self._local.set_result(None)
+
+        if not background or job is None:
+            run()
+            return
+        _unsettled.add(self)
+        # Not a daemon: the interpreter waits for a save under way before it exits (:func:`_at_shutdown`).
+        self._thread = threading.Thread(target=run, name=f"torchrig-save-{self.path.name}")
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def starting(self, publish: _Shared | None) -> Iterator[None]:
+        """An error while the save is set up on the calling thread is published (by rank zero) too."""
+        try:
+            yield
+        except BaseException as err:
+            if publish is not None:
+                publish.publish(f"{type(err).__name__}: {err}")
+            raise
+
+
+class _Shared:
+    """Rank zero's outcome of save round ``n`` in the process group's key-value store."""
+
+    def __init__(self, store: Any, n: int, timeout: datetime.timedelta) -> None:
+        self.store, self.key, self.timeout = store, _RESULT(n), timeout
+
+    def publish(self, message: str) -> None:
+        self.store.set(self.key, message)
+
+    def ready(self) -> bool:
+        return bool(self.store.check([self.key]))
+
+    def check(self, path: Path) -> None:
+        self.store.wait([self.key], self.timeout)
+        message = self.store.get(self.key).decode()
+        if message:
+            raise RuntimeError(f"rank 0 failed to save the checkpoint {path}: {message}")
+
+
+def shared_outcome(rig: Any, n: int | None) -> _Shared | None:
+    """How the ranks of ``rig`` share rank zero's outcome of save round ``n`` (None: one process)."""
+    if n is None:
+        return None
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    timeout = getattr(rig.strategy, "timeout", None)
+    return _Shared(store, n, timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(minutes=30))
+
+
+def forget_outcome(rig: Any, n: int) -> None:
+    """Rank zero removes the outcome of round ``n`` once every rank is past it."""
+    import torch.distributed as dist
+
+    if rig.is_global_zero:
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            dist.distributed_c10d._get_default_store().delete_key(_RESULT(n))
+
+
+# -- the snapshot ------------------------------------------------------------------------------
+def to_host(tree: Any) -> tuple[Any, Callable[[], None]]:
+    """A copy of ``tree`` (dicts, lists, tuples, tensors, plain values) that training cannot change,
+    and a function that waits until its tensors are filled (copies from a CUDA device are queued
+    on the device's stream and finished by the background thread).
+
+    Every tensor is copied to CPU memory (pinned where it comes from CUDA) with its storage copied
+    once, so tensors that share memory (tied weights, views) still share it and are written the
+    same way a direct save writes them. Everything else is deep-copied.
+    """
+    storages: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+    memo: dict[int, Any] = {}
+    events: list[Any] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if id(x) not in memo:
+                memo[id(x)] = _host_copy(x, storages)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    for device in {k[0] for k in storages if k[0].startswith("cuda")}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(torch.device(device)))
+        events.append(event)
+
+    def ready() -> None:
+        for event in events:
+            event.synchronize()
+
+    return copy.deepcopy(tree, memo), ready
+
+
+def _host_copy(t: torch.Tensor, storages: dict[tuple[str, int, int], torch.UntypedStorage]) -> torch.Tensor:
+    plain = type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized and not t.requires_grad
+    if not plain or t.device.type == "meta":
+        with torch.no_grad():  # a subclass, a sparse or quantized tensor: torch copies it its own way
+            return copy.deepcopy(t) if t.device.type in ("cpu", "meta") else t.to("cpu", copy=True)
+    storage = t.untyped_storage()
+    key = (str(storage.device), storage.data_ptr(), storage.nbytes())
+    host = storages.get(key)
+    if host is None:
+        cuda = storage.device.type == "cuda"
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=cuda).untyped_storage()
+        host.copy_(storage, non_blocking=cuda)
+        storages[key] = host
+    return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+
+
+def _at_shutdown() -> None:
+    """When the main thread is done, before the interpreter stops its thread pools (which the save
+    threads use), let the saves under way finish; then say which failed without anyone waiting
+    for it (the error is never lost)."""
+    for handle in list(_unsettled):
+        thread = handle._thread
+        if thread is not None:
+            thread.join()
+        err = handle._local.exception() if handle._local.done() else None
+        if err is not None:
+            print(
+                f"torchrig: the background save of {handle.path} failed and nothing waited for it "
+                f"(call handle.wait() before the end): {type(err).__name__}: {err}",
+                file=sys.stderr,
+            )
+
+
+# Run before concurrent.futures' own hook (they run last registered first), which refuses new work.
+threading._register_atexit(_at_shutdown)  # type: ignore[attr-defined]
