@@ -247,10 +247,11 @@ def test_fsdp_refuses_manual_optimization(tmp_path: Path) -> None:
         trainer.fit(Manual(), loader(8))
 
 
-def run_gan(tmp_path: Path, loop: str, devices: int) -> dict[str, torch.Tensor]:
+def run_gan(tmp_path: Path, loop: str, devices: int, precision: str) -> dict[str, torch.Tensor]:
     out = tmp_path / f"{loop}-{devices}.pt"
+    args = ["--loop", loop, "--devices", str(devices), "--precision", precision, "--epochs", "2", "--save", out]
     done = subprocess.run(
-        [sys.executable, str(GAN_SCRIPT), "--loop", loop, "--devices", str(devices), "--epochs", "2", "--save", out],
+        [sys.executable, str(GAN_SCRIPT), *args],
         env=subprocess_env(),
         capture_output=True,
         text=True,
@@ -258,15 +259,16 @@ def run_gan(tmp_path: Path, loop: str, devices: int) -> dict[str, torch.Tensor]:
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"{loop}: {devices} process(es), 32-true: generated mean (" in done.stdout
+    assert f"{loop}: {devices} process(es), {precision}: generated mean (" in done.stdout
     return torch.load(out)  # type: ignore[no-any-return]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.distributed
-def test_gan_example_on_two_processes_equals_its_rig_loop(tmp_path: Path) -> None:
-    trainer = run_gan(tmp_path, "trainer", 2)
-    assert_all_close(trainer, run_gan(tmp_path, "rig", 2))
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_gan_example_on_two_processes_equals_its_rig_loop(tmp_path: Path, precision: str) -> None:
+    trainer = run_gan(tmp_path, "trainer", 2, precision)
+    assert_all_close(trainer, run_gan(tmp_path, "rig", 2, precision))
 
 
 DDP_SCRIPT = r"""
