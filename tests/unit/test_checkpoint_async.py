@@ -259,7 +259,7 @@ def test_model_checkpoint_the_fit_fails_on_a_background_error_at_its_end(
     _full_disk(monkeypatch)
     cb = torchrig.ModelCheckpoint(dirpath=tmp_path / "ck", async_save=True)
     trainer = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[cb])
-    with pytest.raises(torchrig.checkpoint.CheckpointError, match="no space left on device at .*epoch=0-step=2"):
+    with pytest.raises(torchrig.checkpoint.CheckpointError, match=r"no space left on device at .*epoch=0-step=2"):
         trainer.fit(Regressor(), loader(8))
     assert trainer.rig._pending_save is None
 
