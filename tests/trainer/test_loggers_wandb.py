@@ -165,3 +165,25 @@ def test_the_cli_selects_the_service_loggers(tmp_path: Path) -> None:
     assert (wandb_logger.project, wandb_logger.offline, wandb_logger.log_model) == ("p", True, True)
     assert isinstance(mlflow_logger, torchrig.MLflowLogger)
     assert (mlflow_logger.experiment_name, mlflow_logger.run_name, mlflow_logger.save_dir) == ("e", "r", tmp_path)
+
+
+@pytest.mark.timeout(150)
+def test_the_docs_example_runs(tmp_path: Path) -> None:
+    import re
+    import subprocess
+    import sys
+
+    from trainer_helpers import ROOT, subprocess_env
+
+    docs = (ROOT / "docs" / "trainer_tools.md").read_text()
+    rest = docs[docs.index("### Weights & Biases and MLflow\n") :]
+    code = re.search(r"```python\n(.*?)```", rest, re.S).group(1)  # type: ignore[union-attr]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env={**subprocess_env(), **wandb_env(tmp_path)},
+        capture_output=True, text=True, timeout=140,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-2:] == [f"FINISHED {{'lr': '0.1'}} {list(range(1, 13))}", "True"]
+    (records,) = wandb_runs(tmp_path).values()
+    assert sorted(history(records)) == list(range(1, 13)) and exit_codes(records) == [0]
+    assert (tmp_path / "mlruns" / "mlflow.db").is_file()
