@@ -28,6 +28,7 @@ from torchrig.trainer import (
     Trainer,
     TrainingModule,
 )
+from torchrig.trainer.ema import EMA
 from torchrig.trainer.loggers import CSVLogger, TensorBoardLogger  # tensorboard itself loads on first use
 from torchrig.trainer.loggers_mlflow import MLflowLogger  # mlflow itself loads when one is made
 from torchrig.trainer.loggers_wandb import WandbLogger  # wandb itself loads when one is made
@@ -48,6 +49,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "ACCELERATOR_REGISTRY",
+    "EMA",
     "PRECISIONS",
     "STRATEGY_REGISTRY",
     "Accelerator",

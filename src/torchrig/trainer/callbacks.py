@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from torchrig.trainer.module import TrainingModule
     from torchrig.trainer.trainer import Trainer
 
@@ -88,6 +90,14 @@ class Callback:
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def checkpoint_modules(self, trainer: Trainer) -> dict[str, nn.Module]:
+        """Modules whose tensors this callback keeps in checkpoints (``{name: module}``, entry
+        ``<state_key>.<name>``), saved like the trained module's weights (safetensors files; DCP
+        shards under FSDP) and loaded into them in place on resume (before ``on_fit_start``).
+        For large tensors, which ``state_dict`` values are not meant for (under FSDP those go
+        into rank zero's ``state.pt``)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

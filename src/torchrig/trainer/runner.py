@@ -261,6 +261,8 @@ def checkpoint_state(tr: Trainer) -> dict[str, Any]:
     state["loop"] = tr.fit_state
     state["train_metrics"] = tr._train_metrics
     state["callbacks"] = {cb.state_key: cb.state_dict() for cb in tr.callbacks}
+    for cb in tr.callbacks:  # tensors a callback keeps (EMA's average): module entries of their own
+        state.update({f"{cb.state_key}.{name}": m for name, m in cb.checkpoint_modules(tr).items()})
     state["step"], state["epoch"] = tr.fit_state.global_step, tr.fit_state.epoch
     return {k: v for k, v in state.items() if v is not None}
 
