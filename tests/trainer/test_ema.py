@@ -198,7 +198,7 @@ def run(max_steps, ckpt_path=None, seed=0):
     trainer = torchrig.Trainer(
         accelerator="cpu", devices=2, strategy=sys.argv[2], max_steps=max_steps, enable_progress_bar=False,
         logger=False, default_root_dir=f"{sys.argv[1]}/{max_steps}{ckpt_path is None}", num_sanity_val_steps=0,
-        enable_model_summary=False, callbacks=[ema, save],
+        callbacks=[ema, save],
     )
     trainer.fit(module, loader(32, batch_size=4), ckpt_path=ckpt_path)
     sharded = type(next(iter(ema.averaged.buffers()))).__name__
