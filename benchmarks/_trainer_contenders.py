@@ -116,16 +116,25 @@ def torchrig_module(w: Any) -> Any:
 
 
 def torchrig_fit(
-    module: Any, loader: Any, *, steps: int, callbacks: list[Any], bar: bool, logger: bool, checkpointing: bool
+    module: Any,
+    loader: Any,
+    *,
+    steps: int,
+    callbacks: list[Any],
+    bar: bool,
+    logger: bool,
+    checkpointing: bool,
+    profiler: str | None = None,
 ) -> None:
     """``fit`` ``steps`` steps with the default bar (drawing to a terminal whose output is thrown
-    away), CSV logger and checkpointing each on or off, in a scratch directory."""
+    away), CSV logger and checkpointing each on or off, in a scratch directory; what the fit
+    prints (the model summary at its start, a profiler's report at its end) is thrown away too."""
     from rich.console import Console
 
     from torchrig.trainer.progress import ProgressBar
     from torchrig.trainer.trainer import Trainer
 
-    with _scratch_dir() as root, open(os.devnull, "w") as devnull:
+    with _scratch_dir() as root, open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         if bar:
             callbacks = [ProgressBar(console=Console(file=devnull, force_terminal=True)), *callbacks]
         trainer = Trainer(
@@ -138,15 +147,23 @@ def torchrig_fit(
             enable_progress_bar=bar,
             logger=logger,
             enable_checkpointing=checkpointing,
+            profiler=profiler,
         )
         trainer.fit(module, loader)
 
 
 def _torchrig(
-    w: Any, *, bar: bool = True, logger: bool = True, checkpointing: bool = True, charge_flush: bool = True
+    w: Any,
+    *,
+    bar: bool = True,
+    logger: bool = True,
+    checkpointing: bool = True,
+    charge_flush: bool = True,
+    profiler: str | None = None,
 ) -> Runner:
     """Our Trainer with the default bar, CSV logger and checkpointing each on or off; with
-    ``charge_flush=False`` the rows logged in the timed window are written after it."""
+    ``charge_flush=False`` the rows logged in the timed window are written after it; ``profiler``
+    as ``Trainer(profiler=...)`` (its report, after the fit, is outside the window)."""
     from torchrig.trainer.callbacks import Callback
 
     module, loader = torchrig_module(w), w.loader()
@@ -154,7 +171,14 @@ def _torchrig(
     def run(steps: int) -> float:
         timer = _timer(Callback, flush_epochs=steps // w.batches if charge_flush else None)
         torchrig_fit(
-            module, loader, steps=steps, callbacks=[timer], bar=bar, logger=logger, checkpointing=checkpointing
+            module,
+            loader,
+            steps=steps,
+            callbacks=[timer],
+            bar=bar,
+            logger=logger,
+            checkpointing=checkpointing,
+            profiler=profiler,
         )
         return _steady(timer, w, steps)
 
@@ -226,6 +250,8 @@ TRAINER_PARTS = {
         w, bar=False, checkpointing=False, charge_flush=False
     ),
     "torchrig Trainer": torchrig_trainer,
+    # The defaults with profiler="simple": every phase of every step timed (its cost, not a default's).
+    "torchrig Trainer, simple profiler": lambda w: _torchrig(w, profiler="simple"),
 }
 
 #: name -> contender, in the order they appear in the table.

@@ -17,7 +17,14 @@ from torchrig.precision import PRECISIONS, Precision
 from torchrig.preemption import Preempted
 from torchrig.resolve import Plan, resolve
 from torchrig.rig import Rig, seed_everything
-from torchrig.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
+from torchrig.strategies import (
+    STRATEGY_REGISTRY,
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
 from torchrig.trainer import (
     Callback,
     DataModule,
@@ -66,6 +73,7 @@ __all__ = [
     "LearningRateMonitor",
     "MLflowLogger",
     "ModelCheckpoint",
+    "ModelParallelStrategy",
     "Plan",
     "Precision",
     "Preempted",

@@ -237,7 +237,11 @@ class Rig:
         seed = self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item()))
         pin = self.device.type not in ("cpu", "mps")
         rebuilt = rebuild_with_sampler(
-            loader, seed=seed, num_replicas=self.world_size, rank=self.global_rank, pin_memory=pin
+            loader,
+            seed=seed,
+            num_replicas=self.strategy.data_parallel_size,
+            rank=self.strategy.data_parallel_rank,
+            pin_memory=pin,
         )
         if rebuilt is None and self.world_size > 1:
             rebuilt = self.strategy.process_dataloader(loader)

@@ -53,7 +53,7 @@ from torchrig.checkpoint.background import SaveHandle
 from torchrig.checkpoint.core import load, save
 from torchrig.checkpoint.files import CheckpointError, read_meta, resolve_checkpoint, verify_files
 
-__all__ = ["CheckpointError", "SaveHandle", "consolidate", "describe", "load", "save"]
+__all__ = ["CheckpointError", "SaveHandle", "consolidate", "describe", "load", "module_weights", "read_values", "save"]
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -80,22 +80,11 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     """
     import safetensors.torch
 
-    from torchrig.checkpoint.core import module_files, read_tensor_files
-    from torchrig.checkpoint.files import VerifiedReader, durable, follow_umask, fsync_dir
-    from torchrig.checkpoint.sharded import consolidate_dcp
+    from torchrig.checkpoint.files import durable, follow_umask, fsync_dir
 
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
-    if meta.get("sharded"):
-        per_module = consolidate_dcp(folder, meta)
-    else:
-        with VerifiedReader(folder, meta) as reader:
-            per_module = {
-                k: read_tensor_files(reader, module_files(e))
-                for k, e in meta["entries"].items()
-                if e["kind"] == "module"
-            }
-            reader.check()
+    per_module = module_weights(folder)
     if not per_module:
         raise ValueError(f"{folder} holds no module weights to consolidate (entries: {sorted(meta['entries'])})")
     if len(per_module) == 1:
@@ -117,3 +106,44 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     os.replace(tmp, target)
     fsync_dir(target.parent)
     return target
+
+
+def module_weights(path: str | os.PathLike[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """The full tensors of every module entry of a checkpoint (sharded or not), on the CPU, read in
+    this process with no process group; every file is checked against its SHA-256 first.
+
+    Example:
+        >>> # torchrig.checkpoint.module_weights("checkpoints/last")["module"]["net.0.weight"]
+    """
+    from torchrig.checkpoint.core import read_whole
+    from torchrig.checkpoint.sharded import consolidate_dcp
+
+    folder = resolve_checkpoint(path)
+    meta = read_meta(folder)
+    if meta.get("sharded"):
+        return consolidate_dcp(folder, meta)
+    return read_whole(folder, meta, torch.device("cpu"))[1]
+
+
+def read_values(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The plain values a checkpoint holds (step, epoch, hparams...), read as ``load`` reads them:
+    checked against ``meta.json``, with ``torch.load(weights_only=True)`` (no code runs).
+
+    Example:
+        >>> # torchrig.checkpoint.read_values("checkpoints/last")["step"]
+    """
+    from torchrig.checkpoint.core import STATE_FILE, read_whole
+    from torchrig.checkpoint.files import VerifiedReader, safe_torch_load
+
+    folder = resolve_checkpoint(path)
+    meta = read_meta(folder)
+    if meta.get("sharded"):
+        with VerifiedReader(folder, meta) as reader:
+            blob = reader.read(STATE_FILE, lambda p: safe_torch_load(p, map_location="cpu"))
+            reader.check()
+    else:
+        blob = read_whole(folder, meta, torch.device("cpu"), modules=False)[0]
+    values = blob.get("values") if isinstance(blob, dict) else None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{folder} has no plain values in its state.pt; the checkpoint is damaged")
+    return dict(values)

@@ -601,6 +601,16 @@ def load(
             f"the checkpoint {folder} has no entries {missing}; it has {sorted(entries)} "
             "(pass strict=False to load only what is there)"
         )
+    blob, tensors = read_whole(folder, meta, device, verify=verify)
+    return _update_values(state, _apply(rig, folder, entries, blob, tensors, state, strict=strict, device=device))
+
+
+def read_whole(
+    folder: Path, meta: dict[str, Any], device: torch.device, *, verify: bool = True, modules: bool = True
+) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """``state.pt`` (its large tensors put back) and, with ``modules``, each module entry's
+    tensors, of a checkpoint that is not sharded; every file checked before anything is returned."""
+    entries: dict[str, dict[str, Any]] = meta["entries"]
     with VerifiedReader(folder, meta, verify=verify) as reader:
         for name in meta["files"]:
             reader.path(name)  # every file's hash starts now, on a pool of threads
@@ -608,7 +618,9 @@ def load(
         external = blob.pop("external", None) or {"files": [], "where": []}
         extracted = read_tensor_files(reader, external["files"])
         tensors = {
-            key: read_tensor_files(reader, module_files(e)) for key, e in entries.items() if e["kind"] == "module"
+            key: read_tensor_files(reader, module_files(e))
+            for key, e in entries.items()
+            if e["kind"] == "module" and modules
         }
         reader.check()  # nothing is touched unless every file is intact
     try:
@@ -617,7 +629,7 @@ def load(
         raise CheckpointError(
             f"{folder / STATE_FILE} does not match its tensor files ({err!r}); the checkpoint is damaged"
         ) from err
-    return _update_values(state, _apply(rig, folder, entries, blob, tensors, state, strict=strict, device=device))
+    return blob, tensors
 
 
 def _update_values(state: dict[str, Any] | None, left: dict[str, Any]) -> dict[str, Any]:

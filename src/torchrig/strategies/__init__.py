@@ -6,6 +6,7 @@ from torchrig.strategies.base import Strategy
 from torchrig.strategies.ddp import DDPStrategy
 from torchrig.strategies.environment import ClusterEnvironment, detect_environment
 from torchrig.strategies.fsdp import FSDPStrategy
+from torchrig.strategies.model_parallel import ModelParallelStrategy
 from torchrig.strategies.parallel import ParallelStrategy
 from torchrig.strategies.registry import STRATEGY_REGISTRY
 from torchrig.strategies.single import SingleDeviceStrategy
@@ -31,12 +32,18 @@ STRATEGY_REGISTRY.register_builtin(
 STRATEGY_REGISTRY.register_builtin(
     "fsdp", FSDPStrategy, description="FSDP2 fully_shard: parameters, gradients and optimizer state sharded"
 )
+STRATEGY_REGISTRY.register_builtin(
+    "model_parallel",
+    ModelParallelStrategy,
+    description="N-D parallel on a named DeviceMesh: HSDP replicas x FSDP2 shards x tensor parallel",
+)
 
 __all__ = [
     "STRATEGY_REGISTRY",
     "ClusterEnvironment",
     "DDPStrategy",
     "FSDPStrategy",
+    "ModelParallelStrategy",
     "ParallelStrategy",
     "SingleDeviceStrategy",
     "Strategy",

@@ -68,6 +68,16 @@ class Strategy:
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches one step sees (the ranks a dataloader is split over)."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which of those batches this process takes (tensor-parallel peers share one)."""
+        return self.global_rank
+
     # -- life cycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
         """Join the process group (if any) and make ``root_device`` current."""

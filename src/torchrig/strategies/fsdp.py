@@ -95,7 +95,7 @@ class FSDPStrategy(ParallelStrategy):
 
     def _shard_kwargs(self) -> dict[str, Any]:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
         root = self.root_device
         if self.cpu_offload and root.type == "cpu":
@@ -103,31 +103,29 @@ class FSDPStrategy(ParallelStrategy):
                 "FSDPStrategy(cpu_offload=True) moves shards from an accelerator to host memory, but this run "
                 "is already on the CPU; drop cpu_offload"
             )
-        policy = self.mixed_precision
-        if policy is None:
-            dtype = self.precision.autocast_dtype if self.precision is not None else None
-            policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         return {
             "mesh": init_device_mesh(root.type, (self.world_size,)),
-            "mp_policy": policy,
+            "mp_policy": self._mixed_precision_policy(),
             "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
             "reshard_after_forward": self.reshard_after_forward,
         }
 
+    def _mixed_precision_policy(self) -> Any:
+        """``mixed_precision``, or one from the Rig's precision (compute in its autocast dtype, reduce in fp32)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.mixed_precision is not None:
+            return self.mixed_precision
+        dtype = self.precision.autocast_dtype if self.precision is not None else None
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard the policy's submodules, then the root; materialise meta parameters shard by shard."""
-        from torch.distributed.fsdp import fully_shard
-
         before = {name: (id(p), p.shape) for name, p in module.named_parameters()}
         on_meta = any(p.is_meta for p in module.parameters())
         if not on_meta and not self.cpu_offload:
             module = module.to(self.root_device)
-        kwargs = self._shard_kwargs()
-        if self.auto_wrap_policy is not None:
-            for sub in reversed(list(module.modules())):  # innermost first, as fully_shard expects
-                if sub is not module and self.auto_wrap_policy(sub):
-                    fully_shard(sub, **kwargs)
-        fully_shard(module, **kwargs)
+        module = self._parallelize(module)
         if on_meta:
             module.to_empty(device=self.root_device)  # only the local shards get memory
             reset_parameters(module)
@@ -135,7 +133,16 @@ class FSDPStrategy(ParallelStrategy):
         for name, (old_id, shape) in before.items():
             if name in after:
                 self._swapped[old_id] = (shape, after[name])
+        for param in after.values():  # a parameter left whole (not split by tensor parallel, no FSDP) is its own
+            self._swapped.setdefault(id(param), (param.shape, param))
         return module
+
+    def _parallelize(self, module: nn.Module) -> nn.Module:
+        """Shard the policy's submodules (innermost first, as ``fully_shard`` expects), then the root."""
+        from torchrig.parallel import apply_fsdp
+
+        kwargs = self._shard_kwargs()
+        return apply_fsdp(module, kwargs.pop("mesh"), wrap_policy=self.auto_wrap_policy, **kwargs)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point the optimizer at the sharded parameters (it may have been made before ``prepare``)."""

@@ -18,6 +18,7 @@ import torch
 
 from torchrig.preemption import Preempted
 from torchrig.trainer.metrics import Snapshot, to_floats
+from torchrig.trainer.profiler import BACKWARD, DATA, LOGGING, OPTIMIZER, STEP, VALIDATION
 from torchrig.wrappers import RigOptimizer
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ def run_fit(trainer: Trainer) -> None:
     tr._sparse_due = 0.0  # the sparse batch-end hooks see the first batch
     if state.epoch_finished:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
+    if tr.profiler is not None:
+        tr.profiler.start(tr)
     while not _fit_done(tr):
         found = tr._signals.poll()  # a stop signal between epochs: the state is an epoch's end
         if found:
@@ -135,6 +138,8 @@ def run_fit(trainer: Trainer) -> None:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
         if tr.should_stop:
             break
+    if tr.profiler is not None:
+        tr.profiler.stop(tr)
     tr._call_module("on_train_end")
 
 
@@ -164,7 +169,8 @@ def run_train_epoch(tr: Trainer) -> None:
     if state.batch_idx < n and not tr.should_stop:
         if state.batch_idx == 0:
             loader.set_epoch(state.epoch)  # a resumed mid-epoch loader already knows where it is
-        batches = iter(loader)
+        # Starting the epoch's iterator (workers, a sampler's shuffle) is data loading too.
+        batches = iter(loader) if tr.profiler is None else tr.profiler.wrap(DATA, iter)(loader)
         try:
             _run_batches(tr, batches, n)
         finally:
@@ -189,7 +195,9 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
     clock, due = time.perf_counter, tr._sparse_due
     timed = tr.max_time is not None
     poll, stop = tr._signals.poll, 0
-    one_batch = _batch_runner(tr)
+    one_batch, validate = _batch_runner(tr), _validate_in_fit
+    if tr.profiler is not None:  # once per epoch: the same loop, its callables timed
+        batches, validate = tr.profiler.wrap_batches(batches), tr.profiler.wrap(VALIDATION, validate)
     tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
     batch_idx = state.batch_idx
     if batch_idx >= n:
@@ -203,7 +211,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
         for hook in batch_end:
             hook(tr, module, output, batch, batch_idx)
         if state.val_pending:
-            _validate_in_fit(tr)
+            validate(tr)
             tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
         if timed and tr._time_is_up():
             tr.should_stop = True
@@ -251,6 +259,13 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     backward = rig.precision.backward_function()
     stepping = [cast(RigOptimizer, o).step_functions() for o in optimizers]  # rig.prepare wrapped them
     steps, zeros = [s for s, _ in stepping], [z for _, z in stepping]
+    clip, schedulers, log_step = _clip_gradients, step_schedulers, _log_step
+    profiler = tr.profiler
+    if profiler is not None:  # the same step with its callables timed (chosen once per epoch)
+        training_step, backward = profiler.wrap(STEP, training_step), profiler.wrap(BACKWARD, backward)
+        steps, zeros = [profiler.wrap(OPTIMIZER, f) for f in steps], [profiler.wrap(OPTIMIZER, f) for f in zeros]
+        clip, schedulers = profiler.wrap(OPTIMIZER, clip), profiler.wrap(OPTIMIZER, schedulers)
+        log_step = profiler.wrap(LOGGING, log_step)
 
     def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
         accumulate = tr.accumulate_grad_batches
@@ -270,16 +285,16 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
                 return output
         # The optimizer step: clip, step and zero every optimizer, step the per-step schedulers.
         if tr.gradient_clip_val is not None:
-            _clip_gradients(tr, prepared, optimizers)
+            clip(tr, prepared, optimizers)
         for step in steps:
             step()
         for zero_grad in zeros:
             zero_grad()
         state.global_step += 1
         if tr.lr_scheduler_configs:
-            step_schedulers(tr, "step", state.global_step)
+            schedulers(tr, "step", state.global_step)
         if state.global_step % tr.log_every_n_steps == 0:
-            _log_step(tr)
+            log_step(tr)
         return output
 
     return one_batch
@@ -295,6 +310,9 @@ def _manual_batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     state, rig = tr.fit_state, tr.rig
     step_caller = prepared.step_caller(prepared._rig_module.training_step)
     training_step = _without_autocast_cache(step_caller) if rig.precision.is_mixed else step_caller
+    log_step = _log_step
+    if tr.profiler is not None:  # the step's backward passes and optimizer steps count in training_step
+        training_step, log_step = tr.profiler.wrap(STEP, training_step), tr.profiler.wrap(LOGGING, log_step)
 
     def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
         # The strategy's wrapper sees the step as one forward, whose end would arm the gradient
@@ -303,7 +321,7 @@ def _manual_batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
             output = training_step(batch, batch_idx)
         state.global_step += 1
         if state.global_step % tr.log_every_n_steps == 0:
-            _log_step(tr)
+            log_step(tr)
         return output
 
     return one_batch

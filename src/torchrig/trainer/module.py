@@ -22,10 +22,11 @@ event of the same moment, see :mod:`torchrig.trainer.callbacks`):
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -37,6 +38,8 @@ from torchrig.trainer.metrics import LogOptions
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
 
+
+_M = TypeVar("_M", bound="TrainingModule")
 
 #: One LogOptions per combination of self.log's flags (built once, not per call).
 _OPTIONS: dict[tuple[Any, ...], LogOptions] = {}
@@ -90,6 +93,67 @@ class TrainingModule(nn.Module):
         state = super().__getstate__()
         state.pop("_trainer", None)
         return state  # type: ignore[no-any-return]
+
+    # -- hyperparameters -----------------------------------------------------------------------
+    def save_hyperparameters(self, ignore: Iterable[str] = ()) -> None:
+        """Record the arguments of this module's ``__init__`` (call it there) as :attr:`hparams`.
+
+        They are logged to every logger when a fit starts, stored in the Trainer's checkpoints,
+        and :meth:`load_from_checkpoint` builds the module from them. Only plain data is
+        recorded (numbers, strings, bools, None, lists, tuples, dicts with str keys); any other
+        argument is refused with a ValueError naming it: leave it out with ``ignore=["name"]``
+        and pass it to ``load_from_checkpoint`` yourself.
+
+        Example:
+            >>> # def __init__(self, hidden: int = 64, lr: float = 1e-3):
+            >>> #     super().__init__()
+            >>> #     self.save_hyperparameters()      # self.hparams == {"hidden": 64, "lr": 0.001}
+        """
+        import inspect
+
+        from torchrig.trainer.hparams import AttributeDict, init_arguments
+
+        frame = inspect.currentframe()
+        try:
+            names = [ignore] if isinstance(ignore, str) else list(ignore)
+            self.__dict__["_hparams"] = AttributeDict(init_arguments(self, frame.f_back if frame else None, names))
+        finally:
+            del frame
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        """The hyperparameters (:meth:`save_hyperparameters`, or a dict you set); ``{}`` if none.
+        Keys read as attributes too (``self.hparams.lr``)."""
+        from torchrig.trainer.hparams import AttributeDict
+
+        return self.__dict__.setdefault("_hparams", AttributeDict())  # type: ignore[no-any-return]
+
+    @hparams.setter
+    def hparams(self, values: Mapping[str, Any]) -> None:
+        from torchrig.trainer.hparams import AttributeDict, check_plain
+
+        if not isinstance(values, Mapping):
+            raise TypeError(f"hparams must be a dict of plain values, got {type(values).__name__}")
+        check_plain(dict(values), "hparams")
+        self.__dict__["_hparams"] = AttributeDict(values)
+
+    @classmethod
+    def load_from_checkpoint(cls: type[_M], path: str | os.PathLike[str], **overrides: Any) -> _M:
+        """Build this module from the hyperparameters a Trainer checkpoint stored (its
+        :attr:`hparams`, with ``overrides`` on top) and load the checkpoint's weights into it.
+
+        Read as ``rig.load`` reads: every file checked against its SHA-256, tensors through
+        safetensors (a sharded FSDP checkpoint is consolidated in this process), the rest with
+        ``torch.load(weights_only=True)``: nothing in the files runs as code. A malformed
+        ``hparams`` entry, an argument ``__init__`` does not take, or weights that do not fit
+        raise :class:`~torchrig.CheckpointError`.
+
+        Example:
+            >>> # model = MyModule.load_from_checkpoint("torchrig_logs/version_0/checkpoints/last", lr=1e-4)
+        """
+        from torchrig.trainer.hparams import load_from_checkpoint
+
+        return load_from_checkpoint(cls, path, overrides)
 
     # -- steps --------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:

@@ -18,6 +18,7 @@ from torchrig.preemption import Preempted, SignalWatch, requeue_slurm_job, resta
 from torchrig.trainer import debugging, loops
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
 from torchrig.trainer.module import TrainingModule, parse_optimizers
+from torchrig.trainer.summary import summary_table
 from torchrig.wrappers import RigModule
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ def run_fit_stage(
         if hparams:
             for lg in tr.loggers:
                 lg.log_hyperparams(dict(hparams))
+        if tr.enable_model_summary and tr.is_global_zero:  # after a resume's message, as prepared for the run
+            tr.rig.print(summary_table(module, tr.rig.precision.name), end="")
         tr._call_callbacks("on_fit_start")
         # Installed until the fit ends, or until the save of a stop is done (in _on_error).
         tr._signals = SignalWatch(tr.rig.strategy, tr.stop_signals).install()

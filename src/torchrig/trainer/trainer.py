@@ -25,6 +25,7 @@ from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.logger_base import Logger
 from torchrig.trainer.metrics import MetricStore
 from torchrig.trainer.module import SchedulerConfig, TrainingModule
+from torchrig.trainer.profiler import Profiler, resolve_profiler
 from torchrig.wrappers import RigModule
 
 Limit = int | float
@@ -82,6 +83,12 @@ class Trainer:
             the epoch (float); the training loader is not shuffled and validation uses as many batches.
         detect_anomaly: run the fit under ``torch.autograd.set_detect_anomaly(True)`` (slow; a backward
             that makes NaN raises and names the forward operation that led to it).
+        profiler: where the fit's time goes: None (nothing, no cost), ``"simple"`` (a table of each
+            phase's share of the step and the slowest hooks, when the fit ends), ``"pytorch"``
+            (``torch.profiler`` traces over a few steps, in the run directory) or a
+            :class:`~torchrig.trainer.profiler.Profiler` object such as ``PyTorchProfiler(active=5)``.
+        enable_model_summary: print a table of the module's top-level layers (types, trainable
+            and frozen parameters, size in the run's precision) when a fit starts, on global rank zero.
 
     Example:
         >>> # trainer = Trainer(accelerator="auto", devices=1, max_epochs=3)
@@ -125,6 +132,8 @@ class Trainer:
         fast_dev_run: bool | int = False,
         overfit_batches: int | float = 0.0,
         detect_anomaly: bool = False,
+        profiler: Profiler | str | None = None,
+        enable_model_summary: bool = True,
     ) -> None:
         self.max_steps = _int_at_least("max_steps", max_steps, -1)
         default_epochs = -1 if max_steps != -1 else 1000
@@ -155,6 +164,10 @@ class Trainer:
         if not isinstance(auto_resume, bool):
             raise ValueError(f"auto_resume={auto_resume!r} must be True or False")
         self.auto_resume = auto_resume
+        self.profiler = resolve_profiler(profiler)
+        if not isinstance(enable_model_summary, bool):
+            raise ValueError(f"enable_model_summary={enable_model_summary!r} must be True or False")
+        self.enable_model_summary = enable_model_summary
         root = os.getcwd() if default_root_dir is None else arguments.path("default_root_dir", default_root_dir)
         self.default_root_dir = Path(root)
         self.rig = Rig(
@@ -372,6 +385,9 @@ class Trainer:
         from torchrig.trainer.runner import checkpoint_state
 
         state = checkpoint_state(self)
+        hparams = getattr(self.module, "hparams", None)
+        if hparams:  # plain data (save_hyperparameters checked it): load_from_checkpoint builds the module from it
+            state["hparams"] = dict(hparams)
         extra: dict[str, Any] = {}
         for cb in self.callbacks:
             cb.on_save_checkpoint(self, self._require_module(), extra)
@@ -428,14 +444,20 @@ class Trainer:
         """
         found = self._hook_cache.get(event)
         if found is None:
-            found = self._hook_cache[event] = active_hooks(self.callbacks, event)
+            found = active_hooks(self.callbacks, event)
+            if self.profiler is not None:
+                found = self.profiler.wrap_hooks(found)
+            self._hook_cache[event] = found
         return found
 
     def _sparse_batch_end(self) -> tuple[list[Callable[..., Any]], float]:
         """The ``on_train_batch_end`` methods called at most every ``interval`` seconds, and the
         interval (:func:`sparse_batch_end_hooks`); worked out once per run."""
         if self._sparse_cache is None:
-            self._sparse_cache = sparse_batch_end_hooks(self.callbacks)
+            hooks, interval = sparse_batch_end_hooks(self.callbacks)
+            if self.profiler is not None:
+                hooks = self.profiler.wrap_hooks(hooks)
+            self._sparse_cache = hooks, interval
         return self._sparse_cache
 
     def _refresh_hooks(self) -> None:

@@ -1,0 +1,280 @@
+"""Building blocks of N-D parallelism on a ``DeviceMesh``, as plain functions.
+
+:class:`~torchrig.ModelParallelStrategy` calls these when it is given no ``parallelize``
+function; a ``parallelize(model, mesh)`` of your own can call them too::
+
+    def parallelize(model, mesh):
+        torchrig.parallel.apply_tp(model, mesh["tp"], {"layers.*.attn.qkv": "colwise", ...})
+        torchrig.parallel.apply_fsdp(model, torchrig.parallel.data_parallel_mesh(mesh), wrap_policy={Block})
+        return model
+
+The mesh always has the three named dimensions of :data:`MESH_DIMS` (size 1 where unused).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+#: The names of the mesh dimensions, outermost first: HSDP replicas, FSDP shards, tensor parallel.
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+WrapPolicy = Callable[[nn.Module], bool]
+
+
+def mesh_sizes(
+    world_size: int, *, data_parallel_replicate: int, data_parallel_shard: int | str, tensor_parallel: int
+) -> tuple[int, int, int]:
+    """``(dp_replicate, dp_shard, tp)`` for ``world_size`` processes; ``"auto"`` shard takes what is left.
+
+    Raises ValueError, with the arithmetic and a size that works, when they do not multiply to
+    ``world_size``.
+
+    Example:
+        >>> mesh_sizes(8, data_parallel_replicate=1, data_parallel_shard="auto", tensor_parallel=2)
+        (1, 4, 2)
+    """
+    check_sizes(data_parallel_replicate, data_parallel_shard, tensor_parallel)
+    auto = data_parallel_shard == "auto"
+    other = data_parallel_replicate * tensor_parallel
+    if auto:
+        if world_size % other:
+            raise ValueError(
+                f"data_parallel_shard='auto' takes what data_parallel_replicate={data_parallel_replicate} x "
+                f"tensor_parallel={tensor_parallel} = {other} leave of the world size {world_size}, but "
+                f"{world_size} is not a multiple of {other}; {_valid_choice(world_size, tensor_parallel)}"
+            )
+        return data_parallel_replicate, world_size // other, tensor_parallel
+    shard = int(data_parallel_shard)
+    if other * shard != world_size:
+        raise ValueError(
+            f"data_parallel_replicate={data_parallel_replicate} x data_parallel_shard={shard} x "
+            f"tensor_parallel={tensor_parallel} = {other * shard}, but the world size is {world_size} "
+            f"(devices x num_nodes); the sizes must multiply to it. {_valid_choice(world_size, tensor_parallel)}"
+        )
+    return data_parallel_replicate, shard, tensor_parallel
+
+
+def check_sizes(data_parallel_replicate: Any, data_parallel_shard: Any, tensor_parallel: Any) -> None:
+    """ValueError naming the argument that is not a positive int (``data_parallel_shard`` may be ``"auto"``)."""
+    for name, value in (
+        ("data_parallel_replicate", data_parallel_replicate),
+        ("data_parallel_shard", data_parallel_shard),
+        ("tensor_parallel", tensor_parallel),
+    ):
+        if name == "data_parallel_shard" and value == "auto":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            extra = " or 'auto'" if name == "data_parallel_shard" else ""
+            raise ValueError(f"{name}={value!r} must be a positive int{extra}")
+
+
+def _valid_choice(world_size: int, tensor_parallel: int) -> str:
+    tp = math.gcd(world_size, tensor_parallel)  # the largest tensor-parallel size <= the one asked that fits
+    return (
+        f"for example tensor_parallel={tp}, data_parallel_shard={world_size // tp}, data_parallel_replicate=1 "
+        f"(1 x {world_size // tp} x {tp} = {world_size})"
+    )
+
+
+def init_mesh(device_type: str, sizes: tuple[int, int, int]) -> DeviceMesh:
+    """The ``(dp_replicate, dp_shard, tp)`` mesh over the default process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: ``(dp_replicate, dp_shard)`` (HSDP) when there are replicas, else ``dp_shard``."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def data_parallel_size(mesh: DeviceMesh) -> int:
+    """How many different batches one step sees: ``dp_replicate x dp_shard``."""
+    return mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> int:
+    """This process's index among the data-parallel ranks (tensor-parallel peers share it)."""
+    return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+
+
+def _styles() -> dict[str, Callable[[], ParallelStyle]]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        # the output gathered on every tensor-parallel rank (Hugging Face's name)
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        # input and output sharded on the sequence dimension, around a sequence-parallel norm
+        "rowwise_seq": lambda: RowwiseParallel(output_layouts=Shard(1)),
+        "colwise_seq": lambda: ColwiseParallel(input_layouts=Shard(1)),
+        "sequence": SequenceParallel,
+        "sequence_parallel": SequenceParallel,
+        "rowwise_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+
+
+#: The module types each named style can split (parallelize_module accepts these).
+_SUPPORTED: dict[str, tuple[type[nn.Module], ...]] = {
+    "colwise": (nn.Linear, nn.Embedding),
+    "colwise_rep": (nn.Linear, nn.Embedding),
+    "colwise_seq": (nn.Linear, nn.Embedding),
+    "rowwise": (nn.Linear, nn.Embedding),
+    "rowwise_seq": (nn.Linear, nn.Embedding),
+    "sequence": (nn.LayerNorm, nn.Dropout, nn.RMSNorm),
+    "sequence_parallel": (nn.LayerNorm, nn.Dropout, nn.RMSNorm),
+}
+
+STYLE_NAMES = tuple(_SUPPORTED)
+
+
+def resolve_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> dict[str, ParallelStyle]:
+    """``plan`` with its patterns expanded to module names and its style names made into styles.
+
+    A key is a dotted module name whose parts may hold ``*`` (``"layers.*.attn.q"``). Raises
+    ValueError for a key that names no module or a style name torchrig does not know, and TypeError
+    for a named style on a module type it cannot split.
+    """
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if not isinstance(plan, Mapping) or not plan:
+        raise TypeError(f"tp_plan={plan!r} must be a non-empty dict of module name pattern -> style")
+    styles = _styles()
+    names = [(name, name.split("."), sub) for name, sub in model.named_modules() if name]
+    out: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        if not isinstance(style, ParallelStyle) and style not in styles:
+            raise ValueError(
+                f"tp_plan[{pattern!r}] = {style!r} is not a tensor-parallel style; use one of "
+                f"{', '.join(STYLE_NAMES)} or a torch.distributed.tensor.parallel.ParallelStyle"
+            )
+        parts = pattern.split(".")
+        found = [
+            (name, sub)
+            for name, atoms, sub in names
+            if len(atoms) == len(parts) and all(fnmatchcase(a, p) for a, p in zip(atoms, parts, strict=True))
+        ]
+        if not found:
+            close = [n for n, _, _ in names if n.split(".")[-1] == parts[-1]][:3]
+            hint = f" (modules named like it: {', '.join(close)})" if close else ""
+            raise ValueError(
+                f"tp_plan key {pattern!r} names no submodule of {type(model).__name__}{hint}; keys are module "
+                "names as model.named_modules() gives them, with * for any one part (e.g. 'layers.*.mlp.up')"
+            )
+        for name, sub in found:
+            if isinstance(style, str) and not isinstance(sub, _SUPPORTED[style]):
+                kinds = ", ".join(t.__name__ for t in _SUPPORTED[style])
+                raise TypeError(
+                    f"tp_plan[{pattern!r}] = {style!r} cannot split {name} ({type(sub).__name__}): {style!r} "
+                    f"takes {kinds}. Leave it out of the plan (it stays replicated) or pass a ParallelStyle "
+                    "written for it"
+                )
+            if isinstance(style, str) and style == "rowwise" and isinstance(sub, nn.Embedding):
+                out[name] = styles["rowwise_embedding"]()  # token ids come whole, not split like activations
+            else:
+                out[name] = styles[style]() if isinstance(style, str) else style
+    return out
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str | ParallelStyle]) -> nn.Module:
+    """Split the modules ``plan`` names over ``tp_mesh`` with ``parallelize_module``; returns ``model``.
+
+    Styles: ``"colwise"``, ``"rowwise"``, ``"colwise_rep"``, ``"colwise_seq"``, ``"rowwise_seq"``,
+    ``"sequence"`` (see :func:`resolve_tp_plan` for the keys), or ``ParallelStyle`` instances.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    resolved = resolve_tp_plan(model, plan)
+    if tp_mesh.size() > 1:
+        parallelize_module(model, tp_mesh, resolved)  # type: ignore[arg-type]
+    return model
+
+
+def as_wrap_policy(policy: Any) -> WrapPolicy | None:
+    """A function ``module -> bool`` from layer classes, a function, or None."""
+    from torchrig.strategies.fsdp import _as_policy
+
+    return _as_policy(policy)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    wrap_policy: Iterable[type[nn.Module]] | WrapPolicy | None = None,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """FSDP2 ``fully_shard`` the submodules ``wrap_policy`` picks (innermost first), then ``model``.
+
+    ``dp_mesh`` is 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP); parameters already split by
+    :func:`apply_tp` become 2-D shards. Returns ``model``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    policy = as_wrap_policy(wrap_policy)
+    kwargs: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+        "offload_policy": offload_policy if offload_policy is not None else OffloadPolicy(),
+        "reshard_after_forward": reshard_after_forward,
+    }
+    if policy is not None:
+        for sub in reversed(list(model.modules())):  # innermost first, as fully_shard expects
+            if sub is not model and policy(sub):
+                fully_shard(sub, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of all ``grads`` together, a plain tensor equal on every rank.
+
+    DTensor gradients may live on different meshes (FSDP2 shards a tensor-parallel weight over
+    ``(dp_shard, tp)`` but a replicated norm's weight over ``dp_shard`` only), which one
+    ``torch.nn.utils.get_total_norm`` cannot mix: each group of one mesh and placement is reduced
+    by DTensor (its shards' contributions summed over the ranks that hold them), then combined.
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (id(g.device_mesh), g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters that are DTensors on several meshes.
+
+    Returns the total norm before clipping (a plain tensor, no host sync).
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = total_norm(grads, float(norm_type))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():  # each rank scales its own shards: the same factor everywhere
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+    return norm

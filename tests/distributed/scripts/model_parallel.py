@@ -1,0 +1,115 @@
+"""A tiny transformer trained under ModelParallelStrategy (or DDP/FSDP), for the N-D parallel tests.
+
+    python model_parallel.py --out W.pt --devices 4 --replicate 1 --shard 2 --tp 2 [--empty-init]
+        [--strategy ddp|fsdp] [--save DIR] [--load DIR] [--steps 3]
+
+Rank 0 writes the full final weights to ``--out`` and, next to it (``.json``), the losses, the
+clipped gradient norms and how many parameter elements it holds. ``--load`` starts from a
+checkpoint (model and optimizer); ``--save`` writes one after training. Importable for the
+one-process reference (``train``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchrig
+from torchrig.demo.transformer import Block, tiny
+
+GLOBAL_BATCH = 8
+SEQ = 8
+MAX_NORM = 0.5
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(123)
+    tokens = torch.randint(0, 64, (4 * GLOBAL_BATCH, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def reference_init() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return tiny().state_dict()
+
+
+def train(
+    rig: torchrig.Rig, *, steps: int = 3, empty_init: bool = False, load: str | None = None, save: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``steps`` AdamW steps clipped to ``MAX_NORM``; the full final weights (rank 0) and a report."""
+    rig.seed_everything(7)
+    with rig.init_module(empty_init=empty_init):
+        model = tiny()
+    if not empty_init:
+        model.load_state_dict(reference_init())
+    model = rig.prepare(model)
+    optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if load:
+        rig.load(load, {"model": model, "optimizer": optimizer})
+    loader = rig.prepare(DataLoader(dataset(), batch_size=GLOBAL_BATCH // rig.strategy.data_parallel_size))
+    losses, norms = [], []
+    for step, (x, y) in enumerate(loader):
+        if step == steps:
+            break
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        rig.backward(loss)
+        norms.append(rig.clip_gradients(model, optimizer, max_norm=MAX_NORM))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(rig.all_reduce(loss.detach(), "mean"))
+    if save:
+        rig.save(save, {"model": model, "optimizer": optimizer})
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    report = {
+        "losses": [float(v) for v in losses],
+        "norms": [float(v) for v in norms],
+        "local_numel": local,
+        "world_size": rig.world_size,
+        "strategy": type(rig.strategy).__name__,
+        "fsdp": any(type(m).__name__.startswith("FSDP") for m in model.modules()),
+        "finite": all(
+            bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all()) for p in model.parameters()
+        ),
+    }
+    return rig.strategy.module_state_dict(model), report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--strategy", default="model_parallel")
+    parser.add_argument("--replicate", type=int, default=1)
+    parser.add_argument("--shard", default="auto")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--empty-init", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--load", default=None)
+    args = parser.parse_args()
+    strategy: Any = args.strategy
+    if strategy == "model_parallel":
+        strategy = torchrig.ModelParallelStrategy(
+            data_parallel_replicate=args.replicate,
+            data_parallel_shard=args.shard if args.shard == "auto" else int(args.shard),
+            tensor_parallel=args.tp,
+            auto_wrap_policy={Block},
+        )
+    elif strategy == "fsdp":
+        strategy = torchrig.FSDPStrategy(auto_wrap_policy={Block})
+    rig = torchrig.Rig(accelerator="cpu", devices=args.devices, strategy=strategy)
+    state, report = train(rig, steps=args.steps, empty_init=args.empty_init, load=args.load, save=args.save)
+    if rig.is_global_zero:
+        torch.save(state, args.out)
+        Path(args.out + ".json").write_text(json.dumps(report))
+    rig.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Mesh sizes, tensor-parallel plans and ModelParallelStrategy's arguments: the errors say what to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchrig
+from torchrig import parallel
+from torchrig.demo.transformer import tiny
+
+
+@pytest.mark.parametrize(
+    ("world", "replicate", "shard", "tp", "expected"),
+    [
+        (8, 1, "auto", 2, (1, 4, 2)),
+        (8, 2, "auto", 2, (2, 2, 2)),
+        (4, 1, 2, 2, (1, 2, 2)),
+        (64, 1, "auto", 8, (1, 8, 8)),
+        (1, 1, "auto", 1, (1, 1, 1)),
+    ],
+)
+def test_mesh_sizes(world: int, replicate: int, shard: int | str, tp: int, expected: tuple[int, int, int]) -> None:
+    got = parallel.mesh_sizes(world, data_parallel_replicate=replicate, data_parallel_shard=shard, tensor_parallel=tp)
+    assert got == expected
+
+
+def test_sizes_that_do_not_multiply_to_the_world_show_the_arithmetic_and_a_valid_choice() -> None:
+    with pytest.raises(ValueError) as err:
+        parallel.mesh_sizes(8, data_parallel_replicate=1, data_parallel_shard=3, tensor_parallel=2)
+    assert str(err.value) == (
+        "data_parallel_replicate=1 x data_parallel_shard=3 x tensor_parallel=2 = 6, but the world size is 8 "
+        "(devices x num_nodes); the sizes must multiply to it. for example tensor_parallel=2, "
+        "data_parallel_shard=4, data_parallel_replicate=1 (1 x 4 x 2 = 8)"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"'auto' takes what data_parallel_replicate=1 x tensor_parallel=4 = 4 leave "
+        r"of the world size 6, but 6 is not a multiple of 4; for example tensor_parallel=2, "
+        r"data_parallel_shard=3",
+    ):
+        parallel.mesh_sizes(6, data_parallel_replicate=1, data_parallel_shard="auto", tensor_parallel=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel": 0}, "tensor_parallel=0 must be a positive int"),
+        ({"data_parallel_replicate": 1.5}, "data_parallel_replicate=1.5 must be a positive int"),
+        ({"data_parallel_shard": "all"}, "data_parallel_shard='all' must be a positive int or 'auto'"),
+        ({"tensor_parallel": True}, "tensor_parallel=True must be a positive int"),
+    ],
+)
+def test_strategy_refuses_bad_sizes_when_made(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        torchrig.ModelParallelStrategy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_strategy_mesh_sizes_for_a_world_and_the_registry_name() -> None:
+    strategy = torchrig.ModelParallelStrategy(data_parallel_replicate=2, tensor_parallel=4)
+    assert strategy.mesh_sizes(32) == (2, 4, 4)
+    with pytest.raises(ValueError, match="= 8, but the world size is 12"):
+        torchrig.ModelParallelStrategy(data_parallel_shard=2, tensor_parallel=4).mesh_sizes(12)
+    assert isinstance(torchrig.STRATEGY_REGISTRY.get("model_parallel"), torchrig.ModelParallelStrategy)
+
+
+def test_strategy_refuses_parallelize_with_tp_plan_and_a_plan_that_is_not_a_dict() -> None:
+    with pytest.raises(ValueError, match="pass parallelize= or tp_plan=, not both"):
+        torchrig.ModelParallelStrategy(parallelize=lambda m, mesh: m, tp_plan={"a": "colwise"})
+    with pytest.raises(TypeError, match=r"tp_plan=\['a'\] must be a non-empty dict"):
+        torchrig.ModelParallelStrategy(tp_plan=["a"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="parallelize=3 must be a function"):
+        torchrig.ModelParallelStrategy(parallelize=3)  # type: ignore[arg-type]
+
+
+def test_plan_patterns_expand_to_module_names() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    resolved = parallel.resolve_tp_plan(tiny(), {"layers.*.mlp.up": "colwise", "layers.1.mlp.down": "rowwise"})
+    assert sorted(resolved) == ["layers.0.mlp.up", "layers.1.mlp.down", "layers.1.mlp.up"]
+    assert isinstance(resolved["layers.0.mlp.up"], ColwiseParallel)
+    assert isinstance(resolved["layers.1.mlp.down"], RowwiseParallel)
+    embedding = parallel.resolve_tp_plan(tiny(), {"tok": "rowwise"})["tok"]
+    assert isinstance(embedding, RowwiseParallel)
+    assert embedding.input_layouts[0].is_replicate()  # token ids arrive whole on every rank
+
+
+def test_plan_naming_no_module_says_so_with_close_names() -> None:
+    with pytest.raises(ValueError) as err:
+        parallel.resolve_tp_plan(tiny(), {"blocks.*.mlp.up": "colwise"})
+    assert str(err.value) == (
+        "tp_plan key 'blocks.*.mlp.up' names no submodule of Transformer (modules named like it: layers.0.mlp.up, "
+        "layers.1.mlp.up); keys are module names as model.named_modules() gives them, with * for any one part "
+        "(e.g. 'layers.*.mlp.up')"
+    )
+
+
+def test_plan_on_an_unsupported_module_type_or_style_is_refused() -> None:
+    with pytest.raises(TypeError) as err:
+        parallel.resolve_tp_plan(tiny(), {"layers.0.norm1": "colwise"})
+    assert str(err.value) == (
+        "tp_plan['layers.0.norm1'] = 'colwise' cannot split layers.0.norm1 (LayerNorm): 'colwise' takes Linear, "
+        "Embedding. Leave it out of the plan (it stays replicated) or pass a ParallelStyle written for it"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"tp_plan\['head'\] = 'diagonal' is not a tensor-parallel style; use one of "
+        r"colwise, colwise_rep",
+    ):
+        parallel.resolve_tp_plan(tiny(), {"head": "diagonal"})
+
+
+def test_total_norm_of_plain_gradients_equals_torch() -> None:
+    grads = [torch.randn(3, 4), torch.randn(5)]
+    for p in (2.0, 1.0, float("inf")):
+        want = torch.nn.utils.get_total_norm(grads, p)
+        assert torch.allclose(parallel.total_norm(grads, p), want)
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
+    params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])
+    norm = parallel.clip_grad_norm_(params, max_norm=1.0)
+    assert float(norm) == pytest.approx(5.0)
+    assert torch.allclose(params[0].grad, torch.tensor([0.6, 0.0, 0.0]), atol=1e-6)
+
+
+def test_a_rig_with_sizes_that_do_not_fit_fails_before_starting_processes() -> None:
+    strategy = torchrig.ModelParallelStrategy(data_parallel_shard=3, tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"= 6, but the world size is 2 \(devices x num_nodes\)"):
+        torchrig.Rig(accelerator="cpu", devices=2, strategy=strategy)
+    assert strategy._launcher is None  # no process was started
