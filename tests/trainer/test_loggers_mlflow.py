@@ -46,9 +46,9 @@ def test_a_fit_logs_metrics_params_and_checkpoints_to_a_local_store(tmp_path: Pa
     assert (run.info.run_name, run.info.status) == ("first", "FINISHED")
     assert run.data.params == {"lr": "0.05", "opt/name": "sgd", "opt/betas": "[0.9, 0.99]", "bias": "True"}
 
-    # The run directory <default_root_dir>/<experiment>/<run id> holds the checkpoints.
-    run_dir = tmp_path / "exp" / listed.run_id
-    assert trainer.log_dir == listed.log_dir == run_dir and listed.version == listed.run_id
+    # The run directory <default_root_dir>/<experiment>/version_N holds the checkpoints.
+    run_dir = tmp_path / "exp" / "version_0"
+    assert trainer.log_dir == listed.log_dir == run_dir and copied.log_dir == tmp_path / "exp" / "version_1"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch=0-step=4", "epoch=1-step=8", "last"]
 
     # Exact values at the Trainer's steps: 4 batches an epoch, 2 epochs, validation at each epoch's end.
@@ -87,7 +87,7 @@ def test_a_crashed_fit_ends_the_run_failed_and_a_later_test_reopens_it(tmp_path:
     client = logger.experiment
     assert client.get_run(logger.run_id).info.status == "FAILED"
     assert history(client, logger.run_id, "seen") == [(1, 0.5), (2, 1.5)]
-    assert logger.log_dir == tmp_path / "torchrig" / logger.run_id  # the default experiment name
+    assert logger.log_dir == tmp_path / "torchrig" / "version_0"  # the default experiment name
 
     trainer.test(Counting(), loader(8))
     assert client.get_run(logger.run_id).info.status == "FINISHED"
@@ -151,3 +151,22 @@ def test_bad_arguments_are_refused() -> None:
         torchrig.MLflowLogger(experiment_name="")
     with pytest.raises(ValueError, match=r"^log_model='no' must be True or False$"):
         torchrig.MLflowLogger(log_model="no")  # type: ignore[arg-type]
+
+
+def test_a_new_run_resumes_from_the_last_checkpoint_of_the_previous_one(tmp_path: Path) -> None:
+    # Run directories are numbered as the CSV logger's: ckpt_path="last" (and a restarted job's
+    # automatic resume) finds the newest earlier run's last beside the new one.
+    def fit(epochs: int, ckpt_path: str | None) -> tuple[torchrig.Trainer, torchrig.MLflowLogger]:
+        logger = torchrig.MLflowLogger()
+        trainer = torchrig.Trainer(
+            accelerator="cpu", devices=1, max_epochs=epochs, log_every_n_steps=1, enable_progress_bar=False,
+            default_root_dir=tmp_path, logger=logger, callbacks=[torchrig.ModelCheckpoint(save_last=True)],
+        )  # fmt: skip
+        trainer.fit(Counting(), loader(16), ckpt_path=ckpt_path)
+        return trainer, logger
+
+    first, first_logger = fit(1, None)
+    second, second_logger = fit(2, "last")
+    assert (first.log_dir.name, second.log_dir.name) == ("version_0", "version_1")
+    assert second.global_step == 8 and second_logger.run_id != first_logger.run_id
+    assert [s for s, _ in history(second_logger.experiment, second_logger.run_id, "seen")] == [5, 6, 7, 8]

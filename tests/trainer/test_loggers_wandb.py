@@ -36,11 +36,11 @@ def test_a_fit_logs_history_config_and_checkpoints_to_an_offline_run(tmp_path: P
     module.hparams = {"lr": 0.05, "opt": {"name": "sgd", "betas": [0.9, 0.99]}}
     trainer.fit(module, loader(16), loader(8))
 
-    # The first logger names the run directory: <default_root_dir>/<project>/<run id>, checkpoints in it.
-    run_dir = tmp_path / "proj" / referenced.run_id
-    assert referenced.log_dir == trainer.log_dir == run_dir and referenced.version == referenced.run_id
+    # The first logger names the run directory: <default_root_dir>/<project>/version_N, checkpoints in it.
+    run_dir = tmp_path / "proj" / "version_0"
+    assert referenced.log_dir == trainer.log_dir == run_dir and referenced.version == 0
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch=0-step=4", "epoch=1-step=8", "last"]
-    assert uploaded.log_dir == tmp_path / "up" / "proj" / uploaded.run_id
+    assert uploaded.log_dir == tmp_path / "up" / "proj" / "version_0"
 
     runs = wandb_runs(tmp_path)
     assert list(runs) == [referenced.run_id]
@@ -92,7 +92,7 @@ def test_a_crashed_fit_ends_the_run_failed_with_what_was_logged(tmp_path: Path) 
     with pytest.raises(RuntimeError, match="boom at step 3"):
         trainer.fit(Crashing(), loader(16))
     records = wandb_runs(tmp_path)[logger.run_id]
-    assert logger.log_dir == tmp_path / "torchrig_logs" / logger.run_id  # no project: the CSV logger's folder name
+    assert logger.log_dir == tmp_path / "torchrig_logs" / "version_0"  # no project: the CSV logger's folder name
     assert {s: r["seen"] for s, r in history(records).items()} == {1: 0.5, 2: 1.5}
     assert exit_codes(records) == [1]
 

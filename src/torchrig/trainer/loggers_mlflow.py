@@ -46,8 +46,8 @@ class MLflowLogger(ServiceLogger):
             ``<save_dir>/mlruns/artifacts``; no server needed (look at it with
             ``mlflow ui --backend-store-uri sqlite:///<save_dir>/mlruns/mlflow.db``).
         log_model: also copy each checkpoint's files into the run's artifacts.
-        save_dir: where the local store and the run directory ``<save_dir>/<experiment_name>/<run
-            id>`` (checkpoints, ``hparams.yaml``) go; None: the Trainer's ``default_root_dir``.
+        save_dir: where the local store and the run directory ``<save_dir>/<experiment_name>/version_N``
+            (checkpoints, ``hparams.yaml``) go; None: the Trainer's ``default_root_dir``.
         flush_every_n_steps, flush_every_seconds, rank_zero: as for :class:`~torchrig.CSVLogger`.
 
     ``logger.experiment`` is the ``mlflow.MlflowClient`` and ``logger.run_id`` the run's id (the
@@ -80,7 +80,6 @@ class MLflowLogger(ServiceLogger):
         super().__init__(
             save_dir=save_dir,
             name=experiment_name,
-            version=None,  # the run's id, once the store made the run
             log_model=log_model,
             flush_every_n_steps=flush_every_n_steps,
             flush_every_seconds=flush_every_seconds,
@@ -117,9 +116,6 @@ class MLflowLogger(ServiceLogger):
         if self.tracking_uri is not None:
             return self.tracking_uri
         return f"sqlite:///{(self.save_dir / LOCAL_STORE).resolve() / 'mlflow.db'}"
-
-    def _run_key(self) -> str:
-        return str(self.run_id)
 
     def _open(self) -> None:
         client = self.experiment

@@ -3,10 +3,10 @@
 
 They buffer like :class:`~torchrig.CSVLogger` (tensors stay on their device until a flush reads
 them all at once, so logging every step costs no per-step sync) and write on global rank zero
-only. The service's run is opened on rank zero when something is first written (or the run
-directory is first asked for), and closed by ``finalize`` with the fit's status; a later
-``fit``/``validate``/``test`` with the same logger reopens the same run. Checkpoints the Trainer
-saves are recorded in the run (:meth:`Logger.after_save_checkpoint`).
+only. The service's run is opened on rank zero when something is first written, and closed by
+``finalize`` with the fit's status; a later ``fit``/``validate``/``test`` with the same logger
+reopens the same run. Checkpoints the Trainer saves are recorded in the run
+(:meth:`Logger.after_save_checkpoint`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ def require(module: str, logger: str, extra: str) -> ModuleType:
 class ServiceLogger(_BufferedLogger):
     """A buffered logger that writes into a run of a tracking service (subclasses say which).
 
-    The run directory is ``<save_dir>/<name>/<run id>`` (checkpoints go into its
-    ``checkpoints``); ``save_dir`` defaults to the Trainer's ``default_root_dir``.
-    Subclasses implement :meth:`_run_key`, :meth:`_open`, :meth:`_end`, :meth:`_write`,
+    The run directory is ``<save_dir>/<name>/version_N``, as the CSV logger's (checkpoints go
+    into its ``checkpoints``, and ``ckpt_path="last"`` or a restarted job finds the newest
+    earlier run's ``last`` beside it); ``save_dir`` defaults to the Trainer's
+    ``default_root_dir``. Subclasses implement :meth:`_open`, :meth:`_end`, :meth:`_write`,
     :meth:`_write_hparams` and :meth:`_log_checkpoint`.
     """
 
@@ -55,7 +56,6 @@ class ServiceLogger(_BufferedLogger):
         *,
         save_dir: str | os.PathLike[str] | None,
         name: str,
-        version: str | None,
         log_model: bool,
         flush_every_n_steps: int | None,
         flush_every_seconds: float | None,
@@ -66,7 +66,7 @@ class ServiceLogger(_BufferedLogger):
         super().__init__(
             root_dir="." if save_dir is None else save_dir,
             name=name,
-            version=version,
+            version=None,
             flush_every_n_steps=flush_every_n_steps,
             flush_every_seconds=flush_every_seconds,
             rank_zero=rank_zero,
@@ -92,19 +92,6 @@ class ServiceLogger(_BufferedLogger):
         """Where the runs go: ``save_dir`` if given, else the Trainer's ``default_root_dir``."""
         return self._run.root_dir
 
-    @property
-    def version(self) -> str:
-        """The service's id of the run (on rank zero; ``""`` elsewhere until known)."""
-        if self._run.version is None and self.is_writer:
-            self._run.version = self._run_key()
-        return str(self._run.version or "")
-
-    @property
-    def log_dir(self) -> Path:
-        """The run directory ``<save_dir>/<name>/<run id>`` (created on rank zero on first use)."""
-        self.version  # noqa: B018 -- names the directory (on rank zero, opening the run if needed)
-        return self._run.path(create=self.is_writer)
-
     def _ensure_open(self) -> None:
         if not self._opened:
             self._open()
@@ -128,10 +115,6 @@ class ServiceLogger(_BufferedLogger):
             self._end(status)
 
     # -- what a subclass does --------------------------------------------------------------
-    def _run_key(self) -> str:
-        """The run's id, which names the run directory (rank zero)."""
-        raise NotImplementedError
-
     def _open(self) -> None:
         """Open the run in the service (a new run, or the one this logger had before)."""
         raise NotImplementedError

@@ -33,7 +33,7 @@ class WandbLogger(ServiceLogger):
         project: the W&B project (None: ``WANDB_PROJECT`` or W&B's default).
         name: the run's display name (None: W&B makes one up).
         save_dir: where W&B writes (its ``wandb/`` folder) and where the run directory
-            ``<save_dir>/<project or "torchrig_logs">/<run id>`` (checkpoints, ``hparams.yaml``)
+            ``<save_dir>/<project or "torchrig_logs">/version_N`` (checkpoints, ``hparams.yaml``)
             goes; None: the Trainer's ``default_root_dir``.
         offline: True to write the run only to disk (``wandb sync`` uploads it later); False
             leaves the mode to W&B (``WANDB_MODE``, online by default).
@@ -68,19 +68,17 @@ class WandbLogger(ServiceLogger):
         require("wandb", "WandbLogger", "wandb")
         if not isinstance(offline, bool):
             raise ValueError(f"offline={offline!r} must be True or False")
-        # Chosen here, so the run directory is known before the run opens (and is the same in
-        # the processes a launch starts from this logger).
-        run_id = init_kwargs.pop("id", None) or "".join(secrets.choice(_ID_CHARS) for _ in range(8))
         super().__init__(
             save_dir=save_dir,
             name=project or "torchrig_logs",
-            version=str(run_id),
             log_model=log_model,
             flush_every_n_steps=flush_every_n_steps,
             flush_every_seconds=flush_every_seconds,
             rank_zero=rank_zero,
         )
         self.project, self.run_name, self.offline = project, name, offline
+        # Chosen here, so that the processes a launch starts from this logger open the same run.
+        self._run_id = str(init_kwargs.pop("id", None) or "".join(secrets.choice(_ID_CHARS) for _ in range(8)))
         self.init_kwargs = init_kwargs
         self._experiment: Any = None
 
@@ -94,10 +92,8 @@ class WandbLogger(ServiceLogger):
 
     @property
     def run_id(self) -> str:
-        return str(self._run.version)
-
-    def _run_key(self) -> str:
-        return self.run_id  # chosen when the logger was made: the directory needs no open run
+        """The W&B run's id (chosen when the logger is made, or ``id=`` of ``init_kwargs``)."""
+        return self._run_id
 
     def _open(self) -> None:
         import wandb
