@@ -13,6 +13,7 @@ from torchrig.checkpoint import CheckpointError
 from torchrig.collections import move_to_device
 from torchrig.devices import current_device_index, device_index, set_device_index
 from torchrig.diagnostics import DeviceMismatchError
+from torchrig.planner import plan
 from torchrig.precision import PRECISIONS, Precision
 from torchrig.preemption import Preempted
 from torchrig.resolve import Plan, resolve
@@ -91,6 +92,7 @@ __all__ = [
     "current_device_index",
     "device_index",
     "move_to_device",
+    "plan",
     "resolve",
     "seed_everything",
     "set_device_index",

@@ -1,4 +1,4 @@
-"""The ``torchrig`` console script: ``env``, ``run``, ``demo``, ``plot``, ``checkpoint``.
+"""The ``torchrig`` console script: ``env``, ``run``, ``demo``, ``plot``, ``checkpoint``, ``plan``.
 
 Each subcommand lives in :mod:`torchrig.commands` as a module with ``add_parser(subparsers)``
 and ``main(args) -> int``. ``torchrig.cli.CLI`` (the jsonargparse fit/validate/test/predict
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-COMMANDS = ("env", "run", "demo", "plot", "checkpoint")
+COMMANDS = ("env", "run", "demo", "plot", "checkpoint", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,358 @@
+"""``torchrig.plan``: what every rank of an N-D parallel job holds, computed in one process.
+
+The model is built on ``meta`` (no memory), and :class:`~torchrig.ModelParallelStrategy`'s own
+set-up (tensor-parallel plan, then FSDP2 over the data-parallel dimensions) is applied to it once
+per rank, each time inside PyTorch's fake process group (``init_process_group("fake")``: every
+collective returns at once, no devices, no network). What each rank gets is read from its
+DTensors: every parameter's local shard shape and placements, and from those the bytes per rank
+of parameters, gradients and AdamW state in the chosen precision. It answers "will my 8B model
+fit on 64 GPUs with tp=8?" before a job is submitted.
+
+Not counted: activations, the parameters FSDP2 gathers for one layer's forward/backward, buffers,
+and the allocator's and communication buffers' overheads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchrig import parallel
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One parameter on one rank: its full shape, the shape this rank holds, and how it is split."""
+
+    name: str
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    placements: str
+    dtype: str
+
+    @property
+    def local_numel(self) -> int:
+        n = 1
+        for d in self.local_shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank holds: its parameters' shards and the bytes they take."""
+
+    rank: int
+    coordinates: dict[str, int]
+    params: list[ShardInfo]
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def layout(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        """What distinguishes this rank's layout from another's (not which rank it is)."""
+        return tuple((p.name, p.local_shape, p.placements) for p in self.params)
+
+
+@dataclass
+class ParallelPlan:
+    """The plan of a whole job: the mesh and every rank's :class:`RankPlan` (see :func:`plan`)."""
+
+    world_size: int
+    mesh_sizes: dict[str, int]
+    precision: str
+    numel: int
+    ranks: list[RankPlan] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def groups(self) -> list[tuple[list[int], RankPlan]]:
+        """Ranks with the same layout, together (most jobs have one or a few)."""
+        out: dict[Any, tuple[list[int], RankPlan]] = {}
+        for r in self.ranks:
+            out.setdefault(r.layout(), ([], r))[0].append(r.rank)
+        return list(out.values())
+
+    def report(self, *, max_params: int | None = 40) -> str:
+        """The plan as text: the mesh, each distinct layout's shards, and the memory of every rank."""
+        sizes = " x ".join(f"{k}={v}" for k, v in self.mesh_sizes.items())
+        lines = [
+            f"{self.world_size} ranks, mesh {sizes}, precision {self.precision}, "
+            f"{self.numel:,} parameters (planned in {self.seconds:.1f} s)",
+        ]
+        for ranks, r in self.groups():
+            lines.append("")
+            lines.append(f"ranks {_ranges(ranks)}: parameter shards (name, full shape -> local shape, placements)")
+            shown = r.params if max_params is None else r.params[:max_params]
+            width = max((len(p.name) for p in shown), default=0)
+            for p in shown:
+                lines.append(f"  {p.name:<{width}}  {_shape(p.shape)} -> {_shape(p.local_shape)}  {p.placements}")
+            if len(shown) < len(r.params):
+                lines.append(f"  ... {len(r.params) - len(shown)} more (--all-params shows them)")
+        lines.append("")
+        lines.append("memory per rank (params + grads + AdamW state; activations and gathered layers not counted)")
+        by_memory: dict[tuple[int, int, int], list[int]] = {}
+        for r in self.ranks:
+            by_memory.setdefault((r.param_bytes, r.grad_bytes, r.optimizer_bytes), []).append(r.rank)
+        lines.append(f"  {'ranks':<16} {'params':>10} {'grads':>10} {'AdamW':>10} {'total':>10}")
+        for (pb, gb, ob), ranks in by_memory.items():
+            lines.append(
+                f"  {_ranges(ranks):<16} {_gib(pb):>10} {_gib(gb):>10} {_gib(ob):>10} {_gib(pb + gb + ob):>10}"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "mesh_sizes": self.mesh_sizes,
+            "precision": self.precision,
+            "numel": self.numel,
+            "seconds": self.seconds,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "coordinates": r.coordinates,
+                    "param_bytes": r.param_bytes,
+                    "grad_bytes": r.grad_bytes,
+                    "optimizer_bytes": r.optimizer_bytes,
+                    "params": [
+                        {"name": p.name, "shape": p.shape, "local_shape": p.local_shape, "placements": p.placements}
+                        for p in r.params
+                    ],
+                }
+                for r in self.ranks
+            ],
+        }
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, [*ranks[1:], None], strict=True):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b  # type: ignore[assignment]
+    return ",".join(out)
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """PyTorch's fake process group as the default group for the block: collectives return at once."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torchrig.plan() runs the job's ranks in a fake process group, but this process already joined a real "
+            "one; call it from a plain Python process (or `torchrig plan`)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtypes(precision: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(the dtype parameters, gradients and AdamW state are stored in, the compute dtype of mixed precision)."""
+    from torchrig.precision import _MIXED_DTYPES, _TRUE_DTYPES, normalize_precision
+
+    name = normalize_precision(precision)
+    if name not in _TRUE_DTYPES and name not in _MIXED_DTYPES:
+        known = ", ".join(sorted({*_TRUE_DTYPES, *_MIXED_DTYPES}))
+        raise ValueError(f"precision={precision!r} is not one the planner sizes; use one of {known}")
+    return _TRUE_DTYPES.get(name) or torch.float32, _MIXED_DTYPES.get(name)
+
+
+def plan(
+    model_fn: Callable[[], nn.Module],
+    *,
+    world_size: int,
+    data_parallel_replicate: int = 1,
+    data_parallel_shard: int | str = "auto",
+    tensor_parallel: int = 1,
+    tp_plan: Mapping[str, Any] | None = None,
+    parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
+    auto_wrap_policy: Any = None,
+    precision: str = "bf16-mixed",
+    ranks: Iterable[int] | None = None,
+    applied_ranks: Iterable[int] = (0,),
+) -> ParallelPlan:
+    """Plan a ``world_size``-rank :class:`~torchrig.ModelParallelStrategy` job in this one process.
+
+    For each rank of ``applied_ranks``, ``model_fn()`` is called under ``torch.device("meta")``
+    and the strategy's own set-up is applied to it as that rank, in a fake process group of
+    ``world_size`` ranks. Placements are the same on every rank (SPMD), so the other ranks of
+    ``ranks`` (default: all) get their local shapes from those placements at their own mesh
+    coordinates, with the function DTensor itself uses (exact, also for uneven splits); pass
+    ``applied_ranks=range(world_size)`` to apply the strategy on every rank instead (slower).
+    A ``parallelize`` whose meshes have dimensions other than the strategy's is applied on
+    every planned rank. Bytes: parameters and gradients in the precision's parameter dtype
+    (fp32 for ``*-mixed``), AdamW's two moments in the same dtype.
+
+    Example:
+        >>> from torchrig.demo.transformer import tiny
+        >>> p = plan(tiny, world_size=4, tensor_parallel=2, ranks=[0])
+        >>> p.mesh_sizes
+        {'dp_replicate': 1, 'dp_shard': 2, 'tp': 2}
+        >>> [s.local_shape for s in p.ranks[0].params if s.name == "layers.0.mlp.up.weight"]
+        [(32, 32)]
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from torchrig.strategies.model_parallel import ModelParallelStrategy
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive int (devices x num_nodes)")
+    store_dtype, compute_dtype = _dtypes(precision)
+    strategy = ModelParallelStrategy(
+        parallelize=parallelize,
+        data_parallel_replicate=data_parallel_replicate,
+        data_parallel_shard=data_parallel_shard,
+        tensor_parallel=tensor_parallel,
+        tp_plan=tp_plan,
+        auto_wrap_policy=auto_wrap_policy,
+        mixed_precision=MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None
+        ),
+    )
+    sizes = strategy.mesh_sizes(world_size)
+    chosen = list(range(world_size)) if ranks is None else sorted(set(ranks))
+    applied = sorted(set(applied_ranks))
+    bad = [r for r in (*chosen, *applied) if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"ranks={bad} are not ranks of a {world_size}-rank job (0 to {world_size - 1})")
+    mesh_sizes = dict(zip(parallel.MESH_DIMS, sizes, strict=True))
+    out = ParallelPlan(world_size=world_size, mesh_sizes=mesh_sizes, precision=precision, numel=0)
+    itemsize = torch.empty(0, dtype=store_dtype).element_size()
+    start = time.perf_counter()
+    layouts: dict[int, list[_Param]] = {}
+    for rank in applied or chosen[:1]:
+        layouts[rank], out.numel = _apply(strategy, model_fn, rank, world_size, sizes, store_dtype)
+    template = next(iter(layouts.values()))
+    if not all(set(p.dims) <= set(parallel.MESH_DIMS) for p in template):  # meshes of the user's own making
+        for rank in chosen:
+            if rank not in layouts:
+                layouts[rank], _ = _apply(strategy, model_fn, rank, world_size, sizes, store_dtype)
+    for rank in chosen:
+        coords = _coordinates(rank, sizes)
+        params = layouts.get(rank) or template
+        shards = [p.at(coords) for p in params]
+        trainable = sum(s.local_numel for s, p in zip(shards, params, strict=True) if p.requires_grad)
+        held = sum(s.local_numel for s in shards)
+        out.ranks.append(
+            RankPlan(
+                rank=rank,
+                coordinates=coords,
+                params=shards,
+                param_bytes=held * itemsize,
+                grad_bytes=trainable * itemsize,
+                optimizer_bytes=2 * trainable * itemsize,
+            )
+        )
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _coordinates(rank: int, sizes: tuple[int, int, int]) -> dict[str, int]:
+    """Where ``rank`` sits in the row-major ``(dp_replicate, dp_shard, tp)`` mesh."""
+    coords = {}
+    for name, size in zip(reversed(parallel.MESH_DIMS), reversed(sizes), strict=True):
+        rank, coords[name] = divmod(rank, size)
+    return {d: coords[d] for d in parallel.MESH_DIMS}
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One parameter as the strategy left it on some rank: enough to know its shard on any rank."""
+
+    name: str
+    shape: tuple[int, ...]
+    dims: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Any, ...]
+    dtype: str
+    requires_grad: bool
+
+    def at(self, coords: dict[str, int]) -> ShardInfo:
+        if not self.dims:
+            return ShardInfo(self.name, self.shape, self.shape, "whole", self.dtype)
+        local = _local_shape(self.shape, self.mesh_shape, [coords[d] for d in self.dims], self.placements)
+        where = ", ".join(f"{d}:{pl}" for d, pl in zip(self.dims, self.placements, strict=True))
+        return ShardInfo(self.name, self.shape, local, where, self.dtype)
+
+
+def _local_shape(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coords: list[int], placements: Any
+) -> tuple[int, ...]:
+    """The shard a rank at ``coords`` holds: ``torch.chunk`` per sharded mesh dimension, as DTensor and FSDP2 split.
+
+    Plain ``Shard`` placements apply outermost first; a ``_StridedShard`` (FSDP2 over a tensor-parallel
+    parameter) splits what the dimensions after it left, so it applies after them.
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    order = [i for i, pl in enumerate(placements) if not isinstance(pl, _StridedShard)]
+    order += [i for i, pl in reversed(list(enumerate(placements))) if isinstance(pl, _StridedShard)]
+    local = list(shape)
+    for i in order:
+        pl = placements[i]
+        if isinstance(pl, (Shard, _StridedShard)):
+            n, k = local[pl.dim], mesh_shape[i]
+            size = -(-n // k)
+            local[pl.dim] = max(0, min(size, n - coords[i] * size))
+    return tuple(local)
+
+
+def _apply(
+    strategy: Any, model_fn: Callable[[], nn.Module], rank: int, world_size: int, sizes: Any, dtype: torch.dtype
+) -> tuple[list[_Param], int]:
+    """The strategy's set-up of a fresh meta model as ``rank``; every parameter and the model's size."""
+    from torch.distributed.tensor import DTensor
+
+    coords = _coordinates(rank, sizes)
+    with fake_process_group(rank, world_size):
+        strategy._mesh = parallel.init_mesh("cpu", sizes)
+        try:
+            with torch.device("meta"):
+                model = model_fn()
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model_fn() returned a {type(model).__name__}; it must return an nn.Module")
+            model = model.to(dtype=dtype) if dtype != torch.float32 else model
+            numel = sum(p.numel() for p in model.parameters())
+            model = strategy._parallelize(model)
+            params = []
+            for name, p in model.named_parameters():
+                kind = str(p.dtype).removeprefix("torch.")
+                if isinstance(p, DTensor):
+                    mesh = p.device_mesh
+                    dims = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
+                    local = tuple(p.to_local().shape)
+                    placements = tuple(p.placements)
+                    param = _Param(name, tuple(p.shape), dims, tuple(mesh.shape), placements, kind, p.requires_grad)
+                    if set(dims) <= set(parallel.MESH_DIMS) and param.at(coords).local_shape != local:
+                        raise RuntimeError(f"planner: derived shard of {name} differs from DTensor's {local}")
+                else:
+                    param = _Param(name, tuple(p.shape), (), (), (), kind, p.requires_grad)
+                params.append(param)
+        finally:
+            strategy._mesh = None
+    return params, numel

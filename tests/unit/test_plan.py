@@ -1,0 +1,110 @@
+"""``torchrig.plan`` / ``torchrig plan``: every rank of a job planned in one process with a fake process group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+import torchrig
+from torchrig.cli import main
+from torchrig.demo.transformer import tiny, transformer_1b
+
+
+@pytest.mark.timeout(180)
+def test_plan_of_a_1b_transformer_on_64_ranks() -> None:
+    # the strategy applied in the fake group as ranks 0, 37 and 63; every other rank derived from their placements
+    p = torchrig.plan(transformer_1b, world_size=64, tensor_parallel=8, applied_ranks=[0, 37, 63])
+    assert p.mesh_sizes == {"dp_replicate": 1, "dp_shard": 8, "tp": 8}
+    assert p.numel == 1_037_377_536
+    assert [r.rank for r in p.ranks] == list(range(64))
+    assert not dist.is_initialized()  # the fake group is gone
+    assert len(p.groups()) == 1  # every dimension divides evenly: all ranks hold the same shapes
+    rank = p.ranks[37]
+    assert rank.coordinates == {"dp_replicate": 0, "dp_shard": 4, "tp": 5}
+    shards = {s.name: s for s in rank.params}
+    q = shards["layers.3.attn.q.weight"]  # split by columns over tp=8, then by rows over dp_shard=8
+    assert (q.shape, q.local_shape) == ((2048, 2048), (32, 2048))
+    assert q.placements == "dp_shard:_S(0, 8), tp:S(0)"
+    o = shards["layers.3.attn.o.weight"]  # split by rows (input features) over tp, dim 0 over dp_shard
+    assert (o.local_shape, o.placements) == ((256, 256), "dp_shard:S(0), tp:S(1)")
+    assert shards["norm.weight"].placements == "dp_shard:S(0)"  # replicated over tp, sharded by FSDP2
+    # bf16-mixed keeps fp32 parameters, fp32 gradients and two fp32 AdamW moments
+    held = sum(s.local_numel for s in rank.params)
+    # norms and the row-split layers' biases stay whole over tp (18 layers x 5 x 2048, + the final norm's 2 x 2048):
+    # FSDP2 splits them 8 ways; everything else is split 64 ways
+    replicated = 18 * 5 * 2048 + 2 * 2048
+    assert held == replicated // 8 + (p.numel - replicated) // 64 == 16_229_632
+    assert (rank.param_bytes, rank.grad_bytes, rank.optimizer_bytes) == (4 * held, 4 * held, 8 * held)
+    text = p.report(max_params=3)
+    assert "64 ranks, mesh dp_replicate=1 x dp_shard=8 x tp=8, precision bf16-mixed, 1,037,377,536 parameters" in text
+    assert "ranks 0-63: parameter shards" in text and "... 217 more" in text
+    assert "  0-63               0.06 GiB   0.06 GiB   0.12 GiB   0.24 GiB" in text
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs"),
+    [(6, {"tensor_parallel": 2}), (12, {"tensor_parallel": 2, "data_parallel_replicate": 2}), (5, {})],
+)
+def test_ranks_derived_from_one_equal_the_strategy_applied_on_each(world: int, kwargs: dict[str, int]) -> None:
+    derived = torchrig.plan(tiny, world_size=world, **kwargs)
+    applied = torchrig.plan(tiny, world_size=world, applied_ranks=range(world), **kwargs)
+    assert [r.params for r in derived.ranks] == [r.params for r in applied.ranks]
+    assert [r.coordinates for r in derived.ranks] == [r.coordinates for r in applied.ranks]
+
+
+def test_uneven_shards_differ_between_ranks_and_add_up() -> None:
+    p = torchrig.plan(tiny, world_size=6, tensor_parallel=2, precision="bf16-true")
+    assert p.mesh_sizes == {"dp_replicate": 1, "dp_shard": 3, "tp": 2}
+    assert len(p.groups()) > 1  # 64 rows over tp=2 then dp_shard=3: 11, 11, 10
+    rows = [next(s for s in r.params if s.name == "tok.weight").local_shape[0] for r in p.ranks]
+    assert rows == [11, 11, 11, 11, 10, 10]
+    assert sum(rows[::2]) == 32  # one tp column of the mesh holds its half once
+    assert p.ranks[0].param_bytes == 2 * sum(s.local_numel for s in p.ranks[0].params)  # bf16
+
+
+def test_plan_errors_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="= 8, but the world size is 6"):
+        torchrig.plan(tiny, world_size=6, data_parallel_shard=4, tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"ranks=\[9\] are not ranks of a 4-rank job \(0 to 3\)"):
+        torchrig.plan(tiny, world_size=4, ranks=[0, 9])
+    with pytest.raises(ValueError, match="tensor_parallel=2 needs a plan saying how to split Linear"):
+        torchrig.plan(lambda: __import__("torch").nn.Linear(4, 4), world_size=2, tensor_parallel=2)
+    with pytest.raises(ValueError, match="unknown precision='fp8'"):
+        torchrig.plan(tiny, world_size=2, precision="fp8")
+    with pytest.raises(ValueError, match="precision='auto' is not one the planner sizes; use one of 16-mixed, 16-true"):
+        torchrig.plan(tiny, world_size=2, precision="auto")
+
+
+def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "plan",
+                "--devices",
+                "2",
+                "--num-nodes",
+                "2",
+                "--tp",
+                "2",
+                "--rank",
+                "3",
+                "--json",
+                "torchrig.demo.transformer:tiny",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 4 and [r["rank"] for r in out["ranks"]] == [3]
+    assert out["ranks"][0]["coordinates"] == {"dp_replicate": 0, "dp_shard": 1, "tp": 1}
+    assert main(["plan", "--devices", "4", "--tp", "2", "torchrig.demo.transformer:tiny"]) == 0
+    text = capsys.readouterr().out
+    assert "layers.0.mlp.up.weight    (128, 32) -> (32, 32)  dp_shard:_S(0, 2), tp:S(0)" in text
+    assert main(["plan", "--devices", "4", "--tp", "3", "torchrig.demo.transformer:tiny"]) == 1
+    assert "error: data_parallel_shard='auto' takes what" in capsys.readouterr().err
+    assert main(["plan", "--devices", "4", "torchrig.demo.transformer"]) == 1
+    assert "must be MODULE:FACTORY" in capsys.readouterr().err
+    assert main(["plan", "--devices", "4", "torchrig.demo.transformer:nothing"]) == 1
+    assert "module 'torchrig.demo.transformer' has no 'nothing'" in capsys.readouterr().err
