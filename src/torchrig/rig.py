@@ -92,6 +92,7 @@ class Rig:
         self._signal_watch: SignalWatch | None = None
         self._pending_save: SaveHandle | None = None  # rig.save(..., blocking=False) under way
         self._save_group: Any = None  # the process group of background sharded saves
+        self._host_buffers: Any = None  # host memory of background saves' snapshots (kept between saves)
         if not self.strategy.needs_launch:
             self.strategy.setup_environment()
             self._launched = True

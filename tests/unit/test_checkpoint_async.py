@@ -286,3 +286,19 @@ def test_an_error_of_the_fit_carries_the_background_error_as_a_note(
             "torchrig: the background checkpoint save failed as well: CheckpointError: no space left on device at "
         )
     assert trainer.rig._pending_save is None
+
+
+def test_the_host_copy_is_reused_by_the_next_background_save(rig: torchrig.Rig, tmp_path: Path) -> None:
+    model, opt = _trained()
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    rig.save(tmp_path / "a", {"model": model, "optimizer": opt}, blocking=False)
+    buffers = {s.data_ptr() for group in rig._host_buffers._free.values() for s in group}
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    second = {k: v.clone() for k, v in model.state_dict().items()}
+    rig.save(tmp_path / "b", {"model": model, "optimizer": opt}, blocking=False).wait()
+    assert {s.data_ptr() for group in rig._host_buffers._free.values() for s in group} == buffers
+    # The second snapshot wrote into the first one's memory only after the first save was committed.
+    for name, want in (("a", first), ("b", second)):
+        got = rig.load(tmp_path / name)["model"]
+        assert all(torch.equal(got[k], v) for k, v in want.items()), name

@@ -536,7 +536,7 @@ def _start_whole(
     check_weights_only(payload["blob"])  # fails before any file is touched
     ready: Callable[[], None] | None = None
     if not blocking:
-        payload, ready = background.to_host(payload)
+        payload, ready = background.to_host(payload, host_buffers(rig))
 
     def job() -> None:
         if ready is not None:
@@ -544,6 +544,14 @@ def _start_whole(
         write(rig, target, payload, keep_last=keep_last, link=link)
 
     return job
+
+
+def host_buffers(rig: Any) -> background.HostBuffers:
+    """The host memory ``rig``'s background saves snapshot into, kept from one save to the next."""
+    buffers: background.HostBuffers | None = getattr(rig, "_host_buffers", None)
+    if buffers is None:
+        buffers = rig._host_buffers = background.HostBuffers()
+    return buffers
 
 
 def settle_pending(rig: Any) -> None:

@@ -284,18 +284,20 @@ def start(
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        cuda = rig.device.type == "cuda"
-        stager = DefaultStager(StagingOptions(cuda, False, False, cuda))  # a copy in (pinned) host memory
+        buffers = core.host_buffers(rig)
+        if buffers.dcp_stager is None:  # a copy in (pinned) host memory, reused by the next save
+            cuda = rig.device.type == "cuda"
+            buffers.dcp_stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
         future = dcp.async_save(
             shards,
             checkpoint_id=tmp,
             process_group=_save_group(rig),
             async_checkpointer_type=AsyncCheckpointerType.THREAD,  # its process mode hung on CPU
-            async_stager=stager,
+            async_stager=buffers.dcp_stager,
         )
         written = future.result  # type: ignore[union-attr]  # a Future: no async_stager returns a response
         if rig.is_global_zero:
-            blob, ready = background.to_host(payload["blob"])
+            blob, ready = background.to_host(payload["blob"], core.host_buffers(rig))
             payload = {**payload, "blob": blob}
 
     def job() -> None:
