@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import Regressor, loader, quiet_trainer, subprocess_env
+from trainer_helpers import Regressor, docs_example, loader, quiet_trainer, subprocess_env
 
 import torchrig
 from torchrig.trainer.ema import EMA
@@ -250,3 +250,14 @@ def test_fsdp_two_processes_average_their_shards_like_one_process(tmp_path: Path
     assert from_checkpoint.keys() == ema.averaged.state_dict().keys()
     for k, v in ema.averaged.state_dict().items():  # the step-5 average, gathered from the shards
         assert not torch.equal(from_checkpoint[k], v)
+
+
+@pytest.mark.timeout(160)
+def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
+    from conftest import PYTHON, python_env
+
+    code = docs_example("## Weight averaging: `torchrig.EMA`")
+    done = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=python_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "64" in lines and "['EMA.averaged', 'callbacks']" in lines and lines[-1] == "True", done.stdout

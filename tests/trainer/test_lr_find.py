@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from trainer_helpers import Regressor, loader, quiet_trainer, subprocess_env
+from trainer_helpers import Regressor, docs_example, loader, quiet_trainer, subprocess_env
 
 import torchrig
 import torchrig.tune
@@ -301,3 +301,16 @@ def test_two_processes_agree_on_the_losses(tmp_path: Path) -> None:
     assert sorted(r["rank"] for r in lines) == [0, 1]
     assert all(r["steps"] == 20 and r["agreed"] and r["restored"] for r in lines), lines
     assert not root.exists() or not any(root.rglob("*"))
+
+
+@pytest.mark.timeout(160)
+def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from conftest import PYTHON, python_env
+
+    code = docs_example("## Learning-rate finder")
+    done = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=python_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [line for line in done.stdout.splitlines() if line in ("100 False", "True")]
+    assert printed == ["100 False", "True", "True"], done.stdout
+    assert (tmp_path / "lr_find.png").read_bytes()[:4] == b"\x89PNG"

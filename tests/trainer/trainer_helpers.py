@@ -88,3 +88,14 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def docs_example(heading: str, doc: str = "trainer_tools.md") -> str:
+    """The one python block of the section ``heading`` (a ``## `` heading) of ``docs/<doc>``."""
+    import re
+
+    text = (ROOT / "docs" / doc).read_text()
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    (code,) = re.findall(r"```python\n(.*?)```", text[start : end if end != -1 else len(text)], re.S)
+    return code
