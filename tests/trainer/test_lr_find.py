@@ -314,3 +314,17 @@ def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
     printed = [line for line in done.stdout.splitlines() if line in ("100 False", "True")]
     assert printed == ["100 False", "True", "True"], done.stdout
     assert (tmp_path / "lr_find.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_training_data_from_a_datamodule(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    class Data(torchrig.DataModule):
+        def setup(self, stage: str) -> None:
+            calls.append(stage)
+
+        def train_dataloader(self) -> Any:
+            return linreg_data()
+
+    result = lr_find(quiet_trainer(tmp_path), LinReg(), datamodule=Data(), num_training=5)
+    assert len(result.losses) == 5 and calls == ["fit"]
