@@ -242,9 +242,25 @@ def test_no_backward_sync_outside_a_fit_says_so() -> None:
 
 
 def test_fsdp_refuses_manual_optimization(tmp_path: Path) -> None:
-    trainer = quiet_trainer(tmp_path, strategy="fsdp", max_steps=1)
-    with pytest.raises(ValueError, match=r"Manual sets automatic_optimization = False, which strategy=FSDPStrategy"):
-        trainer.fit(Manual(), loader(8))
+    import os
+
+    import torch.distributed as dist
+
+    # The one-process FSDP group sets the rank variables and stays: later tests must find neither.
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved, had_group = {name: os.environ.get(name) for name in names}, dist.is_initialized()
+    try:
+        trainer = quiet_trainer(tmp_path, strategy="fsdp", max_steps=1)
+        with pytest.raises(ValueError, match=r"Manual sets automatic_optimization = False, which strategy=FSDP"):
+            trainer.fit(Manual(), loader(8))
+    finally:
+        if dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_gan(tmp_path: Path, loop: str, devices: int, precision: str) -> dict[str, torch.Tensor]:
