@@ -190,6 +190,21 @@ def resolve_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -
     return out
 
 
+def collect_tp_plan(model: nn.Module) -> dict[str, Any] | None:
+    """The ``_tp_plan`` of ``model`` and of every submodule that has one, keys prefixed by where it sits.
+
+    So a Hugging Face model (or the demo transformer) inside a ``TrainingModule`` brings its plan
+    along: ``self.net._tp_plan = {"layers.*.mlp.up": ...}`` becomes ``{"net.layers.*.mlp.up": ...}``.
+    None when no module has one.
+    """
+    plan: dict[str, Any] = {}
+    for name, sub in model.named_modules():
+        own = getattr(sub, "_tp_plan", None)
+        if own:
+            plan.update({f"{name}.{key}" if name else key: style for key, style in dict(own).items()})
+    return plan or None
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str | ParallelStyle]) -> nn.Module:
     """Split the modules ``plan`` names over ``tp_mesh`` with ``parallelize_module``; returns ``model``.
 

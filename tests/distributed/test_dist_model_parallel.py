@@ -8,6 +8,7 @@ from the same initial weights on the same global batches, and is compared with o
 from __future__ import annotations
 
 import json
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,16 @@ def test_empty_init_under_tensor_parallel_materialises_shards(tmp_path: Path) ->
     # initialised by each module's reset_parameters(): an embedding ~ N(0, 1), LayerNorm weights 1
     assert 0.8 < float(weights["tok.weight"].std()) < 1.2
     assert torch.allclose(weights["norm.weight"], torch.ones(32), atol=0.1)  # 3 small steps away from 1
+
+
+@pytest.mark.timeout(120)
+def test_trainer_with_tensor_parallel_fits_like_one_process(tmp_path: Path) -> None:
+    # The transformer sits inside a TrainingModule: its _tp_plan is found there ("net.layers.*...").
+    out = tmp_path / "w.pt"
+    proc = run([str(SCRIPTS / "model_parallel_fit.py"), str(tmp_path / "tp"), str(out)], timeout=110)
+    assert proc.returncode == 0, explain(proc)
+    sys.path.insert(0, str(SCRIPTS))  # model_parallel_fit imports the data of model_parallel
+    ref, _ = load_script("model_parallel_fit").fit(str(tmp_path / "one"))
+    assert_same_weights(torch.load(out), ref)
+    meta = json.loads((tmp_path / "tp" / "checkpoints" / "last" / "meta.json").read_text())
+    assert meta["sharded"] is True and meta["entries"]["module"]["dcp"] is True  # the Trainer saved through DCP

@@ -128,3 +128,26 @@ def test_a_rig_with_sizes_that_do_not_fit_fails_before_starting_processes() -> N
     with pytest.raises(ValueError, match=r"= 6, but the world size is 2 \(devices x num_nodes\)"):
         torchrig.Rig(accelerator="cpu", devices=2, strategy=strategy)
     assert strategy._launcher is None  # no process was started
+
+
+def test_the_plans_of_submodules_are_collected_with_their_place() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny()
+            self.extra = nn.Linear(4, 4)
+
+    plan = parallel.collect_tp_plan(Wrapper())
+    assert plan is not None and plan["net.layers.*.mlp.up"] == "colwise" and plan["net.tok"] == "rowwise"
+    assert len(plan) == len(tiny()._tp_plan)
+    assert parallel.collect_tp_plan(nn.Linear(2, 2)) is None
+    assert "net.layers.1.attn.o" in parallel.resolve_tp_plan(Wrapper(), plan)
+
+
+def test_errors_inherited_from_fsdp_name_this_strategy() -> None:
+    strategy = torchrig.ModelParallelStrategy()
+    strategy.parallel_devices = [torch.device("mps")]
+    with pytest.raises(ValueError, match=r"strategy='model_parallel' does not run on mps"):
+        strategy.backend()
+    with pytest.raises(ValueError, match=r"not in any module prepared with strategy='model_parallel'"):
+        strategy.setup_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))

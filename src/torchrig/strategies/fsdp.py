@@ -88,7 +88,7 @@ class FSDPStrategy(ParallelStrategy):
         device_type = self.parallel_devices[0].type
         if device_type in UNSUPPORTED:
             raise ValueError(
-                f"strategy='fsdp' does not run on {device_type}: {UNSUPPORTED[device_type]}. "
+                f"strategy={self.name!r} does not run on {device_type}: {UNSUPPORTED[device_type]}. "
                 "Use strategy='ddp' for several processes, or 'single'"
             )
         return super().backend()
@@ -164,7 +164,7 @@ class FSDPStrategy(ParallelStrategy):
         if found is None or found[0] != param.shape:
             raise ValueError(
                 f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not in any module "
-                "prepared with strategy='fsdp'; prepare the model before (or together with) its optimizer"
+                f"prepared with strategy={self.name!r}; prepare the model before (or together with) its optimizer"
             )
         return found[1]
 

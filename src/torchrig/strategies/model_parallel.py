@@ -28,10 +28,11 @@ class ModelParallelStrategy(FSDPStrategy):
     devices per machine). Dataloaders are split over the data-parallel ranks only: the
     tensor-parallel ranks of one replica see the same batch.
 
-    Without ``parallelize``, ``prepare`` splits the modules ``tp_plan`` (or the model's own
-    ``_tp_plan``) names over ``mesh["tp"]`` (:func:`torchrig.parallel.apply_tp`), then shards the
-    model with FSDP2 over the data-parallel dimensions (:func:`torchrig.parallel.apply_fsdp`;
-    HSDP when ``data_parallel_replicate > 1``; skipped when there is one data-parallel rank).
+    Without ``parallelize``, ``prepare`` splits the modules ``tp_plan`` (or the ``_tp_plan`` of the
+    model and its submodules, :func:`torchrig.parallel.collect_tp_plan`) names over ``mesh["tp"]``
+    (:func:`torchrig.parallel.apply_tp`), then shards the model with FSDP2 over the data-parallel
+    dimensions (:func:`torchrig.parallel.apply_fsdp`; HSDP when ``data_parallel_replicate > 1``;
+    skipped when there is one data-parallel rank).
     With ``parallelize``, ``parallelize(model, mesh)`` does all of it and returns the model.
 
     Args:
@@ -132,7 +133,7 @@ class ModelParallelStrategy(FSDPStrategy):
                     f"parallelize(model, mesh) returned a {type(out).__name__}; it must return the parallelized model"
                 )
             return out
-        plan = self.tp_plan if self.tp_plan is not None else getattr(module, "_tp_plan", None)
+        plan = self.tp_plan if self.tp_plan is not None else parallel.collect_tp_plan(module)
         if plan:
             parallel.apply_tp(module, mesh["tp"], plan)
         elif self.tensor_parallel > 1:
