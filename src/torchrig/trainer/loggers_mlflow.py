@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrig.trainer.loggers import _flatten
-from torchrig.trainer.loggers_service import ServiceLogger, require
+from torchrig.trainer.loggers_service import _ServiceLogger, require
 from torchrig.trainer.metric_buffer import MetricBuffer
 
 __all__ = ["LOCAL_STORE", "MLflowLogger"]
@@ -23,7 +23,7 @@ _STATUS = {"success": "FINISHED", "interrupted": "KILLED"}  # anything else: FAI
 CHECKPOINTS_FILE = "checkpoints.json"
 
 
-class MLflowLogger(ServiceLogger):
+class MLflowLogger(_ServiceLogger):
     """Logs to an `MLflow <https://mlflow.org>`_ run with MLflow's client
     (``pip install 'torchrig[mlflow]'``: ``mlflow-skinny`` and the SQLite store's ``sqlalchemy``
     and ``alembic``; the full ``mlflow`` package works too).
@@ -48,7 +48,9 @@ class MLflowLogger(ServiceLogger):
         log_model: also copy each checkpoint's files into the run's artifacts.
         save_dir: where the local store and the run directory ``<save_dir>/<experiment_name>/version_N``
             (checkpoints, ``hparams.yaml``) go; None: the Trainer's ``default_root_dir``.
-        flush_every_n_steps, flush_every_seconds, rank_zero: as for :class:`~torchrig.CSVLogger`.
+        flush_every_n_steps: as for :class:`~torchrig.CSVLogger`.
+        flush_every_seconds: as for :class:`~torchrig.CSVLogger` (default 10).
+        rank_zero: whether this process writes; None asks the Trainer (global rank zero).
 
     ``logger.experiment`` is the ``mlflow.MlflowClient`` and ``logger.run_id`` the run's id (the
     run is created on first use on global rank zero).

@@ -23,7 +23,7 @@ from torchrig.trainer.loggers import _BufferedLogger
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
 
-__all__ = ["ServiceLogger", "require"]
+__all__ = ["require"]
 
 #: The statuses ``finalize`` is given (anything else is taken as a failure).
 STATUSES = ("success", "failed", "interrupted")
@@ -41,7 +41,7 @@ def require(module: str, logger: str, extra: str) -> ModuleType:
         ) from err
 
 
-class ServiceLogger(_BufferedLogger):
+class _ServiceLogger(_BufferedLogger):
     """A buffered logger that writes into a run of a tracking service (subclasses say which).
 
     The run directory is ``<save_dir>/<name>/version_N``, as the CSV logger's (checkpoints go

@@ -8,7 +8,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-from torchrig.trainer.loggers_service import ServiceLogger, require
+from torchrig.trainer.loggers_service import _ServiceLogger, require
 from torchrig.trainer.metric_buffer import MetricBuffer
 
 __all__ = ["WandbLogger"]
@@ -16,7 +16,7 @@ __all__ = ["WandbLogger"]
 _ID_CHARS = string.ascii_lowercase + string.digits  # what W&B's own run ids are made of
 
 
-class WandbLogger(ServiceLogger):
+class WandbLogger(_ServiceLogger):
     """Logs to a `Weights & Biases <https://wandb.ai>`_ run with the ``wandb`` package
     (``pip install 'torchrig[wandb]'``).
 
@@ -39,7 +39,9 @@ class WandbLogger(ServiceLogger):
             leaves the mode to W&B (``WANDB_MODE``, online by default).
         log_model: also upload each checkpoint's files (they are only referenced by path
             otherwise).
-        flush_every_n_steps, flush_every_seconds, rank_zero: as for :class:`~torchrig.CSVLogger`.
+        flush_every_n_steps: as for :class:`~torchrig.CSVLogger`.
+        flush_every_seconds: as for :class:`~torchrig.CSVLogger` (default 10).
+        rank_zero: whether this process writes; None asks the Trainer (global rank zero).
         **init_kwargs: passed on to ``wandb.init`` (``entity=``, ``tags=``, ``group=``, ``id=``
             to continue a run...).
 
