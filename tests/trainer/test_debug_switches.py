@@ -146,3 +146,54 @@ def test_rank_properties_in_one_process(tmp_path: Path) -> None:
     trainer = quiet_trainer(tmp_path)
     ranks = (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size)
     assert ranks == (0, 0, 0, 1)
+
+
+TWO_PROCESSES = r"""
+import json, os, sys
+import torch
+from torch.utils.data import DataLoader
+import torchrig
+from trainer_helpers import regression_data
+from test_debug_switches import Counting
+
+root = sys.argv[1]
+common = dict(accelerator="cpu", devices=2, strategy="ddp", enable_progress_bar=False, default_root_dir=root)
+module = Counting()
+trainer = torchrig.Trainer(max_epochs=3, overfit_batches=2, logger=False, enable_checkpointing=False, **common)
+trainer.fit(module, DataLoader(regression_data(32), batch_size=4, shuffle=True))
+quick = torchrig.Trainer(fast_dev_run=True, max_epochs=4, **common)  # logger and checkpoint as by default
+quick_module = Counting()
+quick.fit(quick_module, DataLoader(regression_data(32), batch_size=4, shuffle=True))
+row = {"rank": trainer.global_rank, "train": module.seen["train"], "quick": len(quick_module.seen["train"]),
+       "written": sorted(os.listdir(root))}
+sys.stdout.write(json.dumps(row) + "\n")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_overfit_batches_and_fast_dev_run_on_two_processes(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from trainer_helpers import subprocess_env
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = tmp_path / "run.py"
+    script.write_text(TWO_PROCESSES)
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env["PYTHONPATH"]])
+    done = subprocess.run(
+        [sys.executable, str(script), str(run_dir)], env=env, capture_output=True, text=True, timeout=110, cwd=run_dir
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=str)
+    assert [r["rank"] for r in rows] == [0, 1]
+    for row in rows:
+        epochs = [row["train"][i : i + 2] for i in range(0, 6, 2)]
+        assert epochs[0] == epochs[1] == epochs[2]  # each rank: the same 2 batches every epoch
+        assert row["quick"] == 1 and row["written"] == []  # fast_dev_run: 1 batch, nothing on disk
+    assert rows[0]["train"][:2] != rows[1]["train"][:2]  # the ranks share the batches' samples out
