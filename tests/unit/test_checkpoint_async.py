@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from conftest import python_env
 from torchrig.checkpoint import SaveHandle, core, files
 
 pytestmark = pytest.mark.timeout(60)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))  # trainer_helpers
 
 
 @pytest.fixture
@@ -302,3 +303,42 @@ def test_the_host_copy_is_reused_by_the_next_background_save(rig: torchrig.Rig, 
     for name, want in (("a", first), ("b", second)):
         got = rig.load(tmp_path / name)["model"]
         assert all(torch.equal(got[k], v) for k, v in want.items()), name
+
+
+@pytest.mark.parametrize("stop_at", [2, 3])
+def test_a_stop_signal_waits_for_the_background_save_before_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_at: int
+) -> None:
+    from trainer_helpers import Regressor, loader, quiet_trainer
+
+    class SendAt(torchrig.Callback):
+        """SIGTERM to this process after optimizer step ``step`` (the fit stops at the next boundary)."""
+
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step == self.step:
+                self.step = -1
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    committed: list[str] = []
+    real = files.commit
+
+    def commit(tmp: Path, target: Path) -> None:
+        real(tmp, target)
+        committed.append(target.name)
+
+    monkeypatch.setattr(core, "commit", commit)
+    folder = tmp_path / "ck"
+    cb = torchrig.ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_last=True, async_save=True)
+    callbacks = [cb, SendAt(stop_at)]
+    trainer = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True, callbacks=callbacks)
+    with pytest.raises(torchrig.Preempted) as info:
+        trainer.fit(Regressor(), loader(40))
+    # The background save of step 2 is committed first; the stop at step 3 then saves step 3 (at
+    # step 2 that checkpoint already is last). Nothing is left running when the fit has raised.
+    want = ["epoch=0-step=2"] if stop_at == 2 else ["epoch=0-step=2", "epoch=0-step=3"]
+    assert committed == want and trainer.rig._pending_save is None
+    assert info.value.saved == str(folder / want[-1]) and (folder / "last").resolve().name == want[-1]
+    assert trainer.rig.load(folder / "last")["step"] == stop_at
