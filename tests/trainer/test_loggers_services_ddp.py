@@ -33,6 +33,7 @@ trainer.fit(module, loader(16, batch_size=4), loader(8, batch_size=2))
 
 @pytest.mark.timeout(120)
 @pytest.mark.distributed
+@pytest.mark.slow  # 2 processes importing torch, wandb and mlflow: about 30 s here, 80 s on a busy machine
 def test_two_processes_log_one_run_each_from_rank_zero(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 

@@ -167,6 +167,7 @@ def test_the_cli_selects_the_service_loggers(tmp_path: Path) -> None:
     assert (mlflow_logger.experiment_name, mlflow_logger.run_name, mlflow_logger.save_dir) == ("e", "r", tmp_path)
 
 
+@pytest.mark.slow  # a new interpreter importing torch, wandb and mlflow: about 15 s here, 40 s on a busy machine
 @pytest.mark.timeout(150)
 def test_the_docs_example_runs(tmp_path: Path) -> None:
     import re
