@@ -231,3 +231,22 @@ def test_the_cli_refuses_an_unknown_profiler(tmp_path: Path, capsys: pytest.Capt
         CLI(CliRegressor, Line, args=["--trainer.profiler=fancy", f"--trainer.default_root_dir={tmp_path}"], run=False)
     assert exit_info.value.code == 2
     assert "error: ValueError: profiler='fancy': use None, 'simple', 'pytorch'" in capsys.readouterr().err
+
+
+def test_a_fit_that_raises_still_stops_the_profiler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    class Boom(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 5:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    profiler = PyTorchProfiler(wait=0, warmup=1, active=2, dirpath=tmp_path / "prof")
+    trainer = quiet_trainer(tmp_path, max_epochs=1, profiler=profiler, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Boom(), loader())
+    assert not torch._C._autograd._profiler_enabled()  # not left running after the fit
+    assert profiler.chrome_traces == [tmp_path / "prof" / "chrome_trace_rank0.json"]  # the window before the error
+    simple = quiet_trainer(tmp_path, max_epochs=1, profiler="simple", enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        simple.fit(Boom(), loader())
+    assert "SimpleProfiler: 5 steps in" in capsys.readouterr().out

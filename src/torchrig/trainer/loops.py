@@ -128,18 +128,21 @@ def run_fit(trainer: Trainer) -> None:
     tr._sparse_due = 0.0  # the sparse batch-end hooks see the first batch
     if state.epoch_finished:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
-    if tr.profiler is not None:
-        tr.profiler.start(tr)
-    while not _fit_done(tr):
-        found = tr._signals.poll()  # a stop signal between epochs: the state is an epoch's end
-        if found:
-            stop_at_step(found)
-        run_train_epoch(tr)
-        state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
-        if tr.should_stop:
-            break
-    if tr.profiler is not None:
-        tr.profiler.stop(tr)
+    profiler = tr.profiler
+    if profiler is not None:
+        profiler.start(tr)
+    try:
+        while not _fit_done(tr):
+            found = tr._signals.poll()  # a stop signal between epochs: the state is an epoch's end
+            if found:
+                stop_at_step(found)
+            run_train_epoch(tr)
+            state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
+            if tr.should_stop:
+                break
+    finally:  # also when the fit stops on an error or a signal: the profiler reports what it saw
+        if profiler is not None:
+            profiler.stop(tr)
     tr._call_module("on_train_end")
 
 
