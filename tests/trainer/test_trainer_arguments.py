@@ -97,7 +97,8 @@ _ARGS = [
     "gradient_clip_val", "gradient_clip_algorithm", "val_check_interval", "check_val_every_n_epoch",
     "limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
     "num_sanity_val_steps", "callbacks", "logger", "log_every_n_steps", "default_root_dir",
-    "deterministic", "seed", "fast_dev_run", "overfit_batches", "detect_anomaly",
+    "deterministic", "seed", "fast_dev_run", "overfit_batches", "detect_anomaly", "profiler",
+    "enable_model_summary",
 ]  # fmt: skip
 
 
