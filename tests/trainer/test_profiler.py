@@ -250,3 +250,53 @@ def test_a_fit_that_raises_still_stops_the_profiler(tmp_path: Path, capsys: pyte
     with pytest.raises(RuntimeError, match="boom"):
         simple.fit(Boom(), loader())
     assert "SimpleProfiler: 5 steps in" in capsys.readouterr().out
+
+
+DDP_SCRIPT = r"""
+import sys
+import torchrig
+from trainer_helpers import Regressor, loader
+
+profiler = torchrig.PyTorchProfiler(wait=0, warmup=1, active=2)
+trainer = torchrig.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, enable_progress_bar=False,
+    enable_checkpointing=False, default_root_dir=sys.argv[1], profiler=profiler, log_every_n_steps=1,
+)
+trainer.fit(Regressor(), loader(16, batch_size=2))
+simple = torchrig.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, enable_progress_bar=False, logger=False,
+    enable_checkpointing=False, default_root_dir=sys.argv[1], profiler="simple", enable_model_summary=False,
+)
+simple.fit(Regressor(), loader(16, batch_size=2))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_profilers_on_two_processes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from trainer_helpers import subprocess_env
+
+    script = tmp_path / "run.py"
+    script.write_text(DDP_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Both ranks write into rank zero's run directory; rank zero prints.
+    profiler_dir = tmp_path / "torchrig_logs" / "version_0" / "profiler"
+    assert sorted(p.name for p in profiler_dir.glob("chrome_trace_rank*.json")) == [
+        "chrome_trace_rank0.json",
+        "chrome_trace_rank1.json",
+    ]
+    assert len(list((profiler_dir / "tensorboard").glob("rank*.pt.trace.json"))) == 2
+    assert sorted(p.name for p in (tmp_path / "torchrig_logs").iterdir()) == ["version_0"]
+    assert done.stdout.count("PyTorchProfiler: top 15 operators") == 1
+    assert done.stdout.count("SimpleProfiler: 4 steps in") == 1

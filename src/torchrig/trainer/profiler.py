@@ -347,7 +347,12 @@ class PyTorchProfiler(Profiler):
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
         self.chrome_traces, self.table = [], ""
-        self.output_dir = self.dirpath if self.dirpath is not None else trainer.log_dir / "profiler"
+        if self.dirpath is not None:
+            self.output_dir = self.dirpath
+        else:  # rank zero's run directory, on every rank (a collective, as start() is called on every rank)
+            from torchrig.trainer.checkpointing import default_checkpoint_dir
+
+            self.output_dir = default_checkpoint_dir(trainer).parent / "profiler"
         activities = [ProfilerActivity.CPU]
         if trainer.rig.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
