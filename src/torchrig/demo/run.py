@@ -202,6 +202,7 @@ def run_demo(
         logger=False,  # attached below, once every process agrees on the run directory
         enable_checkpointing=False,
         seed=seed,
+        enable_model_summary=False,  # its first line names the model and its parameter count
     )
     spawned = trainer.rig.strategy.needs_launch  # callbacks then run in the workers, not here
     run_dir = _attach_run_dir(trainer, root, resume)
