@@ -83,14 +83,15 @@ def test_fsdp_times_tensor_parallel_four_processes_train_like_one(two_d: Any) ->
 
 
 @pytest.mark.timeout(120)
-def test_hsdp_trains_like_one_process(tmp_path: Path) -> None:
-    # data_parallel_replicate=2 x dp_shard=2: each half of the ranks holds a sharded replica. One process is
-    # what DDP is checked against (test_dist_ddp.py), so matching it is matching DDP with one launch less.
-    weights, report = launch(tmp_path / "h.pt", "--devices", "4", "--replicate", "2", "--shard", "2")
-    ref_weights, ref = reference()
-    assert ref["local_numel"] * 0.45 < report["local_numel"] < ref["local_numel"] * 0.55  # split 2 ways, not 4
-    assert_same_training(report, ref)
-    assert_same_weights(weights, ref_weights)
+def test_hsdp_matches_ddp(tmp_path: Path) -> None:
+    # data_parallel_replicate=2 x dp_shard=2: each half of the ranks holds a sharded replica
+    hsdp, report = launch(tmp_path / "h.pt", "--devices", "4", "--replicate", "2", "--shard", "2")
+    ddp, ddp_report = launch(tmp_path / "d.pt", "--devices", "4", "--strategy", "ddp")
+    assert report["fsdp"] and not ddp_report["fsdp"]
+    assert ddp_report["local_numel"] * 0.45 < report["local_numel"] < ddp_report["local_numel"] * 0.55  # 2 ways
+    assert_same_training(report, ddp_report)
+    assert_same_weights(hsdp, ddp)
+    assert_same_weights(hsdp, reference()[0])
 
 
 @pytest.mark.timeout(120)
