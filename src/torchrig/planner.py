@@ -74,6 +74,8 @@ class ParallelPlan:
     numel: int
     ranks: list[RankPlan] = field(default_factory=list)
     seconds: float = 0.0
+    #: The output shape of the forward/backward run on fake tensors, per applied rank (with ``step_input``).
+    step_outputs: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def groups(self) -> list[tuple[list[int], RankPlan]]:
         """Ranks with the same layout, together (most jobs have one or a few)."""
@@ -89,6 +91,8 @@ class ParallelPlan:
             f"{self.world_size} ranks, mesh {sizes}, precision {self.precision}, "
             f"{self.numel:,} parameters (planned in {self.seconds:.1f} s)",
         ]
+        for rank, shape in self.step_outputs.items():
+            lines.append(f"forward + backward as rank {rank} on fake tensors: output {_shape(shape)}")
         for ranks, r in self.groups():
             lines.append("")
             lines.append(f"ranks {_ranges(ranks)}: parameter shards (name, full shape -> local shape, placements)")
@@ -117,6 +121,7 @@ class ParallelPlan:
             "precision": self.precision,
             "numel": self.numel,
             "seconds": self.seconds,
+            "step_outputs": {str(k): v for k, v in self.step_outputs.items()},
             "ranks": [
                 {
                     "rank": r.rank,
@@ -194,6 +199,7 @@ def plan(
     precision: str = "bf16-mixed",
     ranks: Iterable[int] | None = None,
     applied_ranks: Iterable[int] = (0,),
+    step_input: Callable[[], Any] | None = None,
 ) -> ParallelPlan:
     """Plan a ``world_size``-rank :class:`~torchrig.ModelParallelStrategy` job in this one process.
 
@@ -201,8 +207,13 @@ def plan(
     and the strategy's own set-up is applied to it as that rank, in a fake process group of
     ``world_size`` ranks. Placements are the same on every rank (SPMD), so the other ranks of
     ``ranks`` (default: all) get their local shapes from those placements at their own mesh
-    coordinates, with the function DTensor itself uses (exact, also for uneven splits); pass
+    coordinates, splitting as DTensor and FSDP2 do (``torch.chunk``, uneven splits included;
+    checked against DTensor's ``to_local()`` on every applied rank); pass
     ``applied_ranks=range(world_size)`` to apply the strategy on every rank instead (slower).
+    With ``step_input`` (a function returning the model's input), each applied rank also runs a
+    forward and a backward (of the sum of the first output tensor) on fake tensors
+    (``FakeTensorMode``: shapes only, no memory, no compute): a plan whose shards do not fit
+    the model's forward (a head count the tensor-parallel size does not divide) fails here.
     A ``parallelize`` whose meshes have dimensions other than the strategy's is applied on
     every planned rank. Bytes: parameters and gradients in the precision's parameter dtype
     (fp32 for ``*-mixed``), AdamW's two moments in the same dtype.
@@ -245,12 +256,14 @@ def plan(
     start = time.perf_counter()
     layouts: dict[int, list[_Param]] = {}
     for rank in applied or chosen[:1]:
-        layouts[rank], out.numel = _apply(strategy, model_fn, rank, world_size, sizes, store_dtype)
+        layouts[rank], out.numel, shape = _apply(strategy, model_fn, rank, world_size, sizes, store_dtype, step_input)
+        if shape is not None:
+            out.step_outputs[rank] = shape
     template = next(iter(layouts.values()))
     if not all(set(p.dims) <= set(parallel.MESH_DIMS) for p in template):  # meshes of the user's own making
         for rank in chosen:
             if rank not in layouts:
-                layouts[rank], _ = _apply(strategy, model_fn, rank, world_size, sizes, store_dtype)
+                layouts[rank], _, _ = _apply(strategy, model_fn, rank, world_size, sizes, store_dtype, None)
     for rank in chosen:
         coords = _coordinates(rank, sizes)
         params = layouts.get(rank) or template
@@ -323,9 +336,16 @@ def _local_shape(
 
 
 def _apply(
-    strategy: Any, model_fn: Callable[[], nn.Module], rank: int, world_size: int, sizes: Any, dtype: torch.dtype
-) -> tuple[list[_Param], int]:
-    """The strategy's set-up of a fresh meta model as ``rank``; every parameter and the model's size."""
+    strategy: Any,
+    model_fn: Callable[[], nn.Module],
+    rank: int,
+    world_size: int,
+    sizes: Any,
+    dtype: torch.dtype,
+    step_input: Callable[[], Any] | None,
+) -> tuple[list[_Param], int, tuple[int, ...] | None]:
+    """The strategy's set-up of a fresh meta model as ``rank``: every parameter, the model's size,
+    and the output shape of a fake forward/backward when ``step_input`` is given."""
     from torch.distributed.tensor import DTensor
 
     coords = _coordinates(rank, sizes)
@@ -353,6 +373,40 @@ def _apply(
                 else:
                     param = _Param(name, tuple(p.shape), (), (), (), kind, p.requires_grad)
                 params.append(param)
+            shape = None if step_input is None else _fake_step(model, step_input, rank)
         finally:
             strategy._mesh = None
-    return params, numel
+    return params, numel, shape
+
+
+def _fake_step(model: nn.Module, step_input: Callable[[], Any], rank: int) -> tuple[int, ...]:
+    """Forward and backward of ``model`` on fake tensors (shapes only); the output's shape."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.simplefilter("ignore")  # FSDP2 and DTensor warn about running on CPU / fake tensors
+        model.to_empty(device="cpu")
+        args = step_input()
+        try:
+            out = model(*args) if isinstance(args, tuple) else model(args)
+            found = out if isinstance(out, torch.Tensor) else _first_tensor(out)
+            if found is None:
+                raise TypeError(f"the model's forward returned a {type(out).__name__} without a tensor")
+            found.float().sum().backward()
+        except Exception as err:
+            raise RuntimeError(
+                f"torchrig.plan: the forward/backward as rank {rank} failed under this plan (on fake tensors): "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        return tuple(found.shape)
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
+    for v in values:
+        found = v if isinstance(v, torch.Tensor) else _first_tensor(v)
+        if found is not None and found.is_floating_point():
+            return found
+    return None

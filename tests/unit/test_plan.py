@@ -105,6 +105,32 @@ def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--devices", "4", "--tp", "3", "torchrig.demo.transformer:tiny"]) == 1
     assert "error: data_parallel_shard='auto' takes what" in capsys.readouterr().err
     assert main(["plan", "--devices", "4", "torchrig.demo.transformer"]) == 1
-    assert "must be MODULE:FACTORY" in capsys.readouterr().err
+    assert "must be MODULE:FUNCTION" in capsys.readouterr().err
     assert main(["plan", "--devices", "4", "torchrig.demo.transformer:nothing"]) == 1
     assert "module 'torchrig.demo.transformer' has no 'nothing'" in capsys.readouterr().err
+
+
+def test_a_fake_forward_and_backward_checks_the_plan_against_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from torchrig.demo.transformer import Transformer, tokens_1b
+
+    p = torchrig.plan(transformer_1b, world_size=64, tensor_parallel=8, step_input=tokens_1b)
+    assert p.step_outputs == {0: (2, 16, 32000)}  # the logits, gathered by the column-split head
+    assert "forward + backward as rank 0 on fake tensors: output (2, 16, 32000)" in p.report()
+    # 2 heads cannot be split over 4 tensor-parallel ranks: the attention's reshape fails
+    with pytest.raises(
+        RuntimeError,
+        match=r"the forward/backward as rank 0 failed under this plan \(on fake "
+        r"tensors\): RuntimeError: shape '\[2, 8, -1, 16\]' is invalid",
+    ):
+        torchrig.plan(
+            lambda: Transformer(vocab=64, dim=32, layers=1, heads=2),
+            world_size=4,
+            tensor_parallel=4,
+            step_input=lambda: torch.randint(0, 64, (2, 8)),
+        )
+    assert not dist.is_initialized()
+    args = ["plan", "--devices", "8", "--tp", "8", "--input", "torchrig.demo.transformer:tokens_1b"]
+    assert main([*args, "torchrig.demo.transformer:transformer_1b"]) == 0
+    assert "forward + backward as rank 0 on fake tensors: output (2, 16, 32000)" in capsys.readouterr().out

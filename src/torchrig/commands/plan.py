@@ -31,6 +31,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--dp-replicate", type=int, default=1, help="data_parallel_replicate, HSDP replicas (default 1)")
     p.add_argument("--dp-shard", default="auto", help="data_parallel_shard (default auto: what is left)")
     p.add_argument("--precision", default="bf16-mixed", help="precision the memory is counted in (default bf16-mixed)")
+    p.add_argument(
+        "--input",
+        default=None,
+        metavar="MODULE:FN",
+        help="a function returning the model's input: also run forward + backward as rank 0 on fake tensors",
+    )
     p.add_argument("--rank", type=int, action="append", default=None, help="plan only this rank (repeatable)")
     p.add_argument("--all-params", action="store_true", help="list every parameter (default: the first 40)")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
@@ -41,20 +47,20 @@ def load_factory(spec: str) -> Any:
     """The object ``MODULE:NAME`` names; the current directory is importable (as for ``python -m``)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"model {spec!r} must be MODULE:FACTORY, e.g. torchrig.demo.transformer:transformer_1b")
+        raise ValueError(f"{spec!r} must be MODULE:FUNCTION, e.g. torchrig.demo.transformer:transformer_1b")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"model {spec!r}: cannot import {module_name!r} ({err})") from None
+        raise ValueError(f"{spec!r}: cannot import {module_name!r} ({err})") from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"model {spec!r}: module {module_name!r} has no {attr!r}")
+            raise ValueError(f"{spec!r}: module {module_name!r} has no {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"model {spec!r}: {attr!r} is a {type(obj).__name__}, not a function or class")
+        raise ValueError(f"{spec!r}: {attr!r} is a {type(obj).__name__}, not a function or class")
     return obj
 
 
@@ -65,6 +71,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         factory = load_factory(args.model)
+        step_input = load_factory(args.input) if args.input else None
         shard = args.dp_shard if args.dp_shard == "auto" else int(args.dp_shard)
         result = plan(
             factory,
@@ -74,8 +81,9 @@ def main(args: argparse.Namespace) -> int:
             tensor_parallel=args.tp,
             precision=args.precision,
             ranks=args.rank,
+            step_input=step_input,
         )
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if args.json:

@@ -97,3 +97,8 @@ def tiny() -> Transformer:
 def transformer_1b() -> Transformer:
     """About 1.04 billion parameters: width 2048, 18 layers of 16 heads, vocabulary 32,000."""
     return Transformer(vocab=32000, dim=2048, layers=18, heads=16)
+
+
+def tokens_1b() -> torch.Tensor:
+    """An input for ``transformer_1b``: 2 sequences of 16 token ids (``torchrig plan --input``)."""
+    return torch.randint(0, 32000, (2, 16))
