@@ -40,6 +40,7 @@ from torchrig.trainer.ema import EMA
 from torchrig.trainer.loggers import CSVLogger, TensorBoardLogger  # tensorboard itself loads on first use
 from torchrig.trainer.loggers_mlflow import MLflowLogger  # mlflow itself loads when one is made
 from torchrig.trainer.loggers_wandb import WandbLogger  # wandb itself loads when one is made
+from torchrig.trainer.profiler import Profiler, PyTorchProfiler, SimpleProfiler
 from torchrig.trainer.progress import ProgressBar
 
 __version__ = "0.1.0"
@@ -78,8 +79,11 @@ __all__ = [
     "Plan",
     "Precision",
     "Preempted",
+    "Profiler",
     "ProgressBar",
+    "PyTorchProfiler",
     "Rig",
+    "SimpleProfiler",
     "SingleDeviceStrategy",
     "Strategy",
     "TensorBoardLogger",
