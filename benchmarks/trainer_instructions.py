@@ -24,8 +24,14 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-MODES = {"hand": "hand-written loop", "lean": "torchrig Trainer lean", "nobar": "torchrig Trainer, defaults but no bar"}
+MODES = {
+    "hand": "hand-written loop",
+    "lean": "torchrig Trainer lean",
+    "nobar": "torchrig Trainer, defaults but no bar",
+    "profiler": "torchrig Trainer, defaults but no bar, simple profiler",
+}
 
 
 def worker(mode: str, steps: int) -> None:
@@ -74,7 +80,9 @@ def worker(mode: str, steps: int) -> None:
 
     root = tempfile.mkdtemp(prefix="torchrig-instr-")
     try:
-        off = {"logger": False, "enable_checkpointing": False} if mode == "lean" else {}
+        off: dict[str, Any] = {"logger": False, "enable_checkpointing": False} if mode == "lean" else {}
+        if mode == "profiler":
+            off["profiler"] = "simple"
         trainer = Trainer(
             accelerator="cpu",
             max_steps=steps,
@@ -100,6 +108,9 @@ def count(mode: str, steps: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100, help="the short run; the long run is 4x")
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the contenders (default: all)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -107,14 +118,16 @@ def main() -> None:
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
-    jobs = [(m, n) for m in MODES for n in (args.steps, 4 * args.steps)]
+    modes = {m: MODES[m] for m in args.modes}
+    jobs = [(m, n) for m in modes for n in (args.steps, 4 * args.steps)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         counts = dict(zip(jobs, pool.map(lambda job: count(*job), jobs), strict=True))
-    per_step = {m: (counts[(m, 4 * args.steps)] - counts[(m, args.steps)]) / (3 * args.steps) for m in MODES}
-    print("| contender | instructions/step | vs hand-written |\n|---|--:|--:|")
-    for mode, label in MODES.items():
-        print(f"| {label} | {per_step[mode]:,.0f} | {per_step[mode] / per_step['hand']:.3f}x |")
-    print(f"\ncommand: python benchmarks/trainer_instructions.py --steps {args.steps}")
+    per_step = {m: (counts[(m, 4 * args.steps)] - counts[(m, args.steps)]) / (3 * args.steps) for m in modes}
+    base = "hand" if "hand" in per_step else next(iter(per_step))
+    print(f"| contender | instructions/step | vs {modes[base]} |\n|---|--:|--:|")
+    for mode, label in modes.items():
+        print(f"| {label} | {per_step[mode]:,.0f} | {per_step[mode] / per_step[base]:.3f}x |")
+    print(f"\ncommand: python benchmarks/trainer_instructions.py --steps {args.steps} --modes {' '.join(modes)}")
 
 
 if __name__ == "__main__":

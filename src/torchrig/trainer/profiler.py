@@ -44,7 +44,7 @@ class Profiler:
     The Trainer calls :meth:`start` when the first training epoch is about to start, wraps the
     callables of the training loop with :meth:`wrap` and :meth:`wrap_batches` (once per epoch,
     never per batch) and the callbacks' hooks with :meth:`wrap` (once per fit), and calls
-    :meth:`stop` after the last epoch (also when the fit stops early). The default methods
+    :meth:`stop` after the last epoch (also when the fit stops early or raises). The default methods
     change nothing.
     """
 
@@ -122,7 +122,8 @@ class SimpleProfiler(Profiler):
     transfer). Synchronising is a profiling mode: it removes the overlap of host and device
     work, so the profiled step can be slower than an unprofiled one; pass ``sync_device=False``
     to time the launches instead. On the CPU nothing is synchronised. Its own cost is a clock
-    read pair per timed call, a few microseconds per step.
+    read pair per timed call (six a step with one optimizer, plus one per callback hook called
+    each batch): about 2 µs a step warm (docs/trainer_tools.md has the measurements).
 
     Results, after a fit: :attr:`phase_seconds` (phase -> seconds), :attr:`hook_seconds`
     (hook -> seconds, calls), :attr:`total_seconds`, :attr:`steps`.
@@ -295,8 +296,8 @@ class PyTorchProfiler(Profiler):
     recorded; ``repeat`` such cycles (default 1). The phases of each step show as labelled ranges
     (``training_step (forward)``, ``backward``, ``optimizer step``, ...).
 
-    When the window ends each process writes, into ``<run dir>/profiler`` (the logger's run
-    directory, else ``default_root_dir``; or ``dirpath``), a TensorBoard trace
+    When the window ends each process writes, into ``<run dir>/profiler`` (rank zero's run
+    directory: the logger's, else ``default_root_dir``; or ``dirpath``), a TensorBoard trace
     (``torch.profiler.tensorboard_trace_handler``: ``tensorboard/<worker>.*.pt.trace.json``, for
     the TensorBoard profiler plugin) and a Chrome trace ``chrome_trace_rank<R>.json`` (open it
     in ``chrome://tracing`` or https://ui.perfetto.dev). Global rank zero prints the top
