@@ -342,3 +342,25 @@ def test_a_stop_signal_waits_for_the_background_save_before_its_own(
     assert committed == want and trainer.rig._pending_save is None
     assert info.value.saved == str(folder / want[-1]) and (folder / "last").resolve().name == want[-1]
     assert trainer.rig.load(folder / "last")["step"] == stop_at
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
+def test_a_full_disk_in_a_background_sharded_save_is_raised_at_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    model = rig.prepare(nn.Linear(64, 64))
+    rig.save(tmp_path / "step-1", {"model": model, "step": 1}, blocking=False).wait()
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    handle = rig.save(tmp_path / "step-2", {"model": model, "step": 2}, blocking=False)
+    with pytest.raises(torchrig.checkpoint.CheckpointError, match=f"no space left on device at {tmp_path / 'step-2'}"):
+        rig.save(tmp_path / "step-3", {"model": model, "step": 3})
+    monkeypatch.undo()
+    assert handle.done() and sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-1"]
+    assert rig.load(tmp_path / "last", {"model": model})["step"] == 1
