@@ -111,8 +111,9 @@ def test_the_files_are_those_a_blocking_save_writes(rig: torchrig.Rig, tmp_path:
 def test_the_snapshot_keeps_shared_storage_and_copies_it_once() -> None:
     base = torch.arange(12.0)
     tree = {"a": base, "b": [base[2:5], base.view(3, 4).t()], "n": {"x": 1}}
-    copied, ready = state_host(tree)
-    ready()
+    snapshot = state_host(tree)
+    snapshot.ready()
+    copied = snapshot.tree
     assert copied["a"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     assert copied["b"][0].untyped_storage().data_ptr() == copied["a"].untyped_storage().data_ptr()
     assert copied["b"][1].stride() == base.view(3, 4).t().stride()
@@ -364,3 +365,59 @@ def test_a_full_disk_in_a_background_sharded_save_is_raised_at_the_next_save(
     monkeypatch.undo()
     assert handle.done() and sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-1"]
     assert rig.load(tmp_path / "last", {"model": model})["step"] == 1
+
+
+def test_the_optimizer_state_is_copied_in_the_background_and_the_next_step_waits_for_it(
+    rig: torchrig.Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchrig.checkpoint import background
+
+    model, opt = _trained()
+    moment = opt.state[model[0].weight]["exp_avg"].clone()
+    held, log = threading.Event(), []
+    real = background._copy_later
+
+    def copy_later(later: Any) -> None:
+        held.wait(30)
+        real(later)
+        log.append("copied")
+
+    monkeypatch.setattr(background, "_copy_later", copy_later)
+    handle = rig.save(tmp_path / "ck", {"model": model, "optimizer": opt}, blocking=False)
+    model(torch.randn(3, 4)).sum().backward()  # the next forward and backward run meanwhile
+    threading.Timer(0.3, held.set).start()
+    opt.step()  # waits for the copy of the moments
+    log.append("stepped")
+    handle.wait()
+    assert log == ["copied", "stepped"]
+    assert torch.equal(rig.load(tmp_path / "ck")["optimizer"]["state"][0]["exp_avg"], moment)
+    assert not opt._optimizer_step_pre_hooks  # the hook is gone once the save is over
+
+
+def test_optimizer_state_changed_before_its_background_copy_is_refused(
+    rig: torchrig.Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchrig.checkpoint import background
+
+    model, opt = _trained()
+    rig.save(tmp_path / "ck", {"model": model, "optimizer": opt, "step": 1})
+    held = threading.Event()
+    real = background._copy_later
+
+    def copy_later(later: Any) -> None:
+        held.wait(30)
+        real(later)
+
+    monkeypatch.setattr(background, "_copy_later", copy_later)
+    handle = rig.save(tmp_path / "ck", {"model": model, "adam": opt, "step": 2}, blocking=False)
+    with torch.no_grad():
+        opt.state[model[0].weight]["exp_avg"].mul_(0.5)  # not through optimizer.step()
+    held.set()
+    with pytest.raises(RuntimeError) as err:
+        handle.wait()
+    assert str(err.value) == (
+        "the state of optimizer 'adam' was changed in place after rig.save(..., blocking=False) returned and "
+        "before the background save had copied it; only optimizer.step() may change it then (it waits for the "
+        "copy). Nothing was written"
+    )
+    assert rig.load(tmp_path / "last")["step"] == 1

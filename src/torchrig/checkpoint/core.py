@@ -518,7 +518,7 @@ def save(
         if rig.strategy.sharded:
             job = sharded.start(rig, target, state, keep_last=keep_last, link=link, blocking=blocking)
         else:
-            job = _start_whole(rig, target, state, keep_last=keep_last, link=link, blocking=blocking)
+            job = _start_whole(rig, target, state, handle, keep_last=keep_last, link=link, blocking=blocking)
     handle.start(job, background=not blocking, publish=publish)
     if blocking:
         return handle.wait()
@@ -527,7 +527,14 @@ def save(
 
 
 def _start_whole(
-    rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None, link: str | None, blocking: bool
+    rig: Any,
+    target: Path,
+    state: dict[str, Any],
+    handle: SaveHandle,
+    *,
+    keep_last: int | None,
+    link: str | None,
+    blocking: bool,
 ) -> Callable[[], None] | None:
     """Gather a whole checkpoint's state on every rank; rank zero's job writes it (others have none)."""
     payload = collect(rig, state)
@@ -536,7 +543,10 @@ def _start_whole(
     check_weights_only(payload["blob"])  # fails before any file is touched
     ready: Callable[[], None] | None = None
     if not blocking:
-        payload, ready = background.to_host(payload, host_buffers(rig))
+        optimizers = {k: getattr(o, "optimizer", o) for k, o in state.items() if isinstance(o, torch.optim.Optimizer)}
+        snapshot = background.to_host(payload, host_buffers(rig), optimizers)
+        payload, ready = snapshot.tree, snapshot.ready
+        handle.on_settle(snapshot.close)
 
     def job() -> None:
         if ready is not None:

@@ -297,8 +297,8 @@ def start(
         )
         written = future.result  # type: ignore[union-attr]  # a Future: no async_stager returns a response
         if rig.is_global_zero:
-            blob, ready = background.to_host(payload["blob"], core.host_buffers(rig))
-            payload = {**payload, "blob": blob}
+            snapshot = background.to_host(payload["blob"], core.host_buffers(rig))  # no optimizer: DCP's
+            payload, ready = {**payload, "blob": snapshot.tree}, snapshot.ready
 
     def job() -> None:
         try:
