@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
-from torchrig import arguments
+from torchrig import arguments, speedups
 from torchrig.accelerators import Accelerator
 from torchrig.collections import move_to_device
 from torchrig.data import RigDataLoader, rebuild_with_sampler
@@ -52,6 +52,13 @@ class Rig:
             ``timedelta``; default: the strategy's, 10 minutes). It is the process group's timeout,
             passed to every backend. A timed-out torchrig collective names, for every rank, the
             collective it was in (see docs/distributed.md, "Hangs").
+        compile: ``None`` (off), ``True`` (``torch.compile`` the whole model), ``"regional"`` (each
+            repeated block: the children of one class of an ``nn.ModuleList``/``nn.Sequential``), or a
+            dict of ``torch.compile`` arguments (``"regional": True`` allowed). Applied by ``prepare``.
+        activation_checkpointing: ``None``, a set of block classes (``{Block}``), ``"full"`` (every
+            repeated block), ``"selective"`` (every second one: blocks 0, 2, 4...) or
+            ``("selective", n)`` (every n-th). Recomputes the blocks' activations in backward.
+            See docs/speed.md; state-dict keys never change with either.
 
     ``None`` means the ``TORCHRIG_*`` environment variable that ``torchrig run`` sets, and then
     the default (auto, auto, auto, 32-true, 1).
@@ -75,7 +82,11 @@ class Rig:
         precision: str | int | None = None,
         num_nodes: int | None = None,
         timeout: float | timedelta | None = None,
+        compile: bool | str | dict[str, Any] | None = None,
+        activation_checkpointing: Any = None,
     ) -> None:
+        self._compile = speedups.resolve_compile(compile)
+        self._activation_checkpointing = speedups.resolve_activation_checkpointing(activation_checkpointing)
         self.plan: Plan = resolve(
             accelerator=accelerator, devices=devices, strategy=strategy, precision=precision, num_nodes=num_nodes
         )
@@ -208,7 +219,16 @@ class Rig:
             )
 
     def _setup_module(self, module: nn.Module) -> RigModule:
+        module, compiled_before = speedups.unwrap_compiled(module)  # its keys then have no ``_orig_mod.``
+        if compiled_before is not None and self._compile is not None:
+            raise ValueError(
+                "the model was compiled before prepare() (torch.compile) and the Rig has compile= too; "
+                "pass the uncompiled model, or leave compile=None to keep your compilation"
+            )
         module = self.precision.convert_module(module)
+        # In place and lazy (nothing is traced before the first call): tensor parallel and FSDP/DDP,
+        # applied next by the strategy, are in place when the compiled code is traced.
+        speedups.apply(module, self._compile, self._activation_checkpointing, compiled_before)
         on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
         if on_meta and not self.strategy.materializes_meta:
             materialize(module, self.device)

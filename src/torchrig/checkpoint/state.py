@@ -31,11 +31,16 @@ def is_stateful(obj: Any) -> bool:
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
-    """The user's module inside a ``RigModule`` (its state-dict keys are the user's keys)."""
-    inner = getattr(module, "module", None)
+    """The user's module inside a ``RigModule`` and/or the ``OptimizedModule`` of a
+    ``torch.compile(module)``: its state-dict keys are the model's own, compiled or not (no
+    ``_orig_mod.``), so a checkpoint loads into the model compiled or not."""
+    from torchrig.speedups import unwrap_compiled
     from torchrig.wrappers import RigModule
 
-    return inner if isinstance(module, RigModule) and isinstance(inner, nn.Module) else module
+    inner = getattr(module, "module", None)
+    if isinstance(module, RigModule) and isinstance(inner, nn.Module):
+        module = inner
+    return unwrap_compiled(module)[0]
 
 
 # -- module tensors -> safetensors ---------------------------------------------------------

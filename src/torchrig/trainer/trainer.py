@@ -43,6 +43,10 @@ class Trainer:
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``...
         num_nodes: machines taking part.
         timeout: how long a collective waits for the other ranks, as for :class:`~torchrig.Rig`.
+        compile: ``None``, ``True`` (the whole model), ``"regional"`` (each repeated block) or a dict of
+            ``torch.compile`` arguments, as for :class:`~torchrig.Rig` (docs/speed.md).
+        activation_checkpointing: ``None``, a set of block classes, ``"full"``, ``"selective"`` or
+            ``("selective", n)``, as for :class:`~torchrig.Rig` (docs/speed.md).
         max_epochs: stop after this many epochs (``-1``: no limit; default 1000 unless ``max_steps`` is set).
         max_steps: stop after this many optimizer steps (``-1``: no limit).
         max_time: stop after this long: seconds, a ``timedelta``, or ``"DD:HH:MM:SS"``.
@@ -105,6 +109,8 @@ class Trainer:
         precision: Any = None,
         num_nodes: int | None = None,
         timeout: float | datetime.timedelta | None = None,
+        compile: bool | str | dict[str, Any] | None = None,
+        activation_checkpointing: Any = None,
         max_epochs: int | None = None,
         max_steps: int = -1,
         max_time: float | str | datetime.timedelta | None = None,
@@ -177,6 +183,8 @@ class Trainer:
             precision=precision,
             num_nodes=num_nodes,
             timeout=timeout,
+            compile=compile,
+            activation_checkpointing=activation_checkpointing,
         )
         self.callbacks = _callbacks(callbacks, enable_checkpointing, enable_progress_bar)
         self.loggers = _loggers(logger, self.default_root_dir)
