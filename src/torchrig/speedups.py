@@ -187,7 +187,7 @@ class _CompiledCall:
     """A module's ``_compiled_call_impl`` (what ``nn.Module.compile`` sets): ``_call_impl``
     compiled by ``compiler`` at the first call. A call while the Trainer runs a step as the
     forward (an instance ``forward`` then stands in for it) stays eager: only the model's own
-    forward is compiled. A copy of the module (``deepcopy``) compiles its own ``_call_impl``."""
+    forward is compiled. (``nn.Module`` leaves it out of copies and pickles: a copy is uncompiled.)"""
 
     def __init__(self, module: nn.Module, compiler: Callable[[Any], Any]) -> None:
         self.module = module
@@ -201,9 +201,6 @@ class _CompiledCall:
         if self.compiled is None:
             self.compiled = self.compiler(module._call_impl)
         return self.compiled(*args, **kwargs)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "compiled": None}
 
 
 def unwrap_compiled(module: nn.Module) -> tuple[nn.Module, Callable[[Any], Any] | None]:

@@ -246,3 +246,15 @@ def test_the_cli_passes_both_switches_to_the_trainer(tmp_path: Path) -> None:
     cli = CLI(_LM, run=False, args=[*args, *options])
     assert cli.trainer.rig._compile == Compile(regional=True, kwargs={"mode": "max-autotune"})
     assert cli.trainer.rig._activation_checkpointing == ActivationCheckpointing(every=3)
+
+
+def test_checkpointing_a_model_created_on_meta() -> None:
+    rig = torchrig.Rig(accelerator="cpu", activation_checkpointing="full")
+    with rig.init_module(empty_init=True):
+        model = S.TinyTransformer()
+    keys = list(model.state_dict())
+    prepared = rig.prepare(model)
+    assert all("forward" in block.__dict__ for block in model.blocks)
+    S.loss_of(prepared, S.batches(1)[0]).backward()
+    assert list(prepared.state_dict()) == keys
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())

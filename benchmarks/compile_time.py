@@ -1,0 +1,159 @@
+"""Time to the first step and steady step time of a 12-block transformer through ``Rig``:
+eager vs ``compile=True`` vs ``compile="regional"``, on the CPU, in one run.
+
+    python benchmarks/compile_time.py [--blocks 12 --dim 128 --steps 20] [--markdown]
+
+Each contender runs in a fresh process with an empty inductor cache (a cold start, as a first
+run of a job), on one thread, compiling in that thread (``TORCHINDUCTOR_COMPILE_THREADS=1``).
+The first step (forward, backward, optimizer step) includes the compilation; it is timed in wall
+seconds and in CPU seconds of the process and of the C++ compiler runs it waited for (the CPU
+time leaves out what other programs on a shared machine took). The steady step time is the
+median CPU time of ``--steps`` steps after 3 more.
+Targets (issue 18): regional's first step at most a third of whole-model compile's, and its
+steady step no slower than whole-model compile's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+CONTENDERS = {"eager": None, "compile=True": True, 'compile="regional"': "regional"}
+
+
+def _cpu_with_children() -> float:
+    """CPU seconds of this process and of its finished children (the C++ compiler inductor runs)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def one(name: str, blocks: int, dim: int, steps: int) -> dict[str, Any]:
+    """Run one contender here; its timings (seconds)."""
+    import torch
+    from torch import nn
+
+    import torchrig
+
+    torch.set_num_threads(1)
+    heads, seq, batch, vocab = 4, 64, 8, 512
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+            return x + self.mlp(self.norm2(x))
+
+    class Transformer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+            self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+    torch.manual_seed(0)
+    rig = torchrig.Rig(accelerator="cpu", compile=CONTENDERS[name])
+    model = rig.prepare(Transformer())
+    optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    tokens = torch.randint(0, vocab, (batch, seq + 1))
+
+    def step() -> float:
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        rig.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss)
+
+    wall, cpu = time.perf_counter(), _cpu_with_children()
+    loss = step()
+    first_wall, first_cpu = time.perf_counter() - wall, _cpu_with_children() - cpu
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(steps):
+        cpu = time.process_time()
+        step()
+        times.append(time.process_time() - cpu)
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "first_wall": first_wall,
+        "first_cpu": first_cpu,
+        "step": statistics.median(times),
+        "loss": loss,
+        "params": params,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--one", choices=list(CONTENDERS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.blocks, args.dim, args.steps)))
+        return
+    results = {}
+    for name in CONTENDERS:
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+            cmd = [sys.executable, __file__, "--one", name, "--blocks", str(args.blocks), "--dim", str(args.dim)]
+            out = subprocess.run(
+                [*cmd, "--steps", str(args.steps)], env=env, capture_output=True, text=True, check=True
+            )
+            results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    import torch
+
+    params = results["eager"]["params"]
+    print(
+        f"{args.blocks}-block transformer (dim {args.dim}, {params / 1e6:.1f}M parameters), CPU, 1 thread, "
+        f"torch {torch.__version__}, cold inductor cache"
+    )
+    sep = "|" if args.markdown else " "
+    head = ["contender", "first step wall (s)", "first step CPU (s)", "steady step CPU (ms)", "first loss"]
+    rows = [
+        [name, f"{r['first_wall']:.1f}", f"{r['first_cpu']:.1f}", f"{r['step'] * 1e3:.1f}", f"{r['loss']:.5f}"]
+        for name, r in results.items()
+    ]
+    if args.markdown:
+        print(f"| {' | '.join(head)} |\n|{'---|' * len(head)}")
+        for row in rows:
+            print(f"| {' | '.join(row)} |")
+    else:
+        widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+        for row in [head, *rows]:
+            print(sep.join(x.ljust(w) for x, w in zip(row, widths, strict=True)))
+    whole, regional = results["compile=True"], results['compile="regional"']
+    print(
+        f"regional / whole: first step {regional['first_wall'] / whole['first_wall']:.2f}x wall, "
+        f"{regional['first_cpu'] / whole['first_cpu']:.2f}x CPU (target <= 0.33x); "
+        f"steady step {regional['step'] / whole['step']:.2f}x (target <= 1.00x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
