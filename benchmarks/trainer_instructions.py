@@ -6,12 +6,16 @@ process twice, for ``--steps`` and ``4 * --steps`` optimizer steps; the differen
 the extra steps is the cost of one step, with imports and set-up cancelled out. Contenders:
 the hand-written loop, our Trainer lean (bar, logger, checkpointing off) and our Trainer with
 its defaults minus the progress bar (CSV logging of the loss every step, default
-checkpointing). The progress bar is left out because it redraws on a wall-clock timer (every
+checkpointing), and each of the two Trainers with ``profiler="simple"`` (what the profiler
+adds to a step). The progress bar is left out because it redraws on a wall-clock timer (every
 0.5 s): under valgrind, which runs ~50x slower, it would redraw ~50x more often per step than
-in a real run. Instructions are not time (cache misses and branch mispredictions differ), so
-read this beside ``overhead.py``, not instead of it.
+in a real run. The defaults' logger flushes and checkpoint saves are on wall-clock timers too,
+so their count differs between two runs by a percent or two; the lean contenders are exact.
+Instructions are not time (cache misses and branch mispredictions differ), so read this beside
+``overhead.py``, not instead of it.
 
-    python benchmarks/trainer_instructions.py            # about 12 minutes on 2 cores
+    python benchmarks/trainer_instructions.py            # about 25 minutes on 2 cores
+    python benchmarks/trainer_instructions.py --modes lean lean_profiler   # the profiler's cost
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ MODES = {
     "lean": "torchrig Trainer lean",
     "nobar": "torchrig Trainer, defaults but no bar",
     "profiler": "torchrig Trainer, defaults but no bar, simple profiler",
+    "lean_profiler": "torchrig Trainer lean, simple profiler",
 }
 
 
@@ -80,8 +85,9 @@ def worker(mode: str, steps: int) -> None:
 
     root = tempfile.mkdtemp(prefix="torchrig-instr-")
     try:
-        off: dict[str, Any] = {"logger": False, "enable_checkpointing": False} if mode == "lean" else {}
-        if mode == "profiler":
+        lean = mode in ("lean", "lean_profiler")
+        off: dict[str, Any] = {"logger": False, "enable_checkpointing": False} if lean else {}
+        if mode in ("profiler", "lean_profiler"):
             off["profiler"] = "simple"
         trainer = Trainer(
             accelerator="cpu",
