@@ -171,6 +171,7 @@ def test_a_model_compiled_before_prepare_with_compile_too_is_refused() -> None:
 @pytest.mark.timeout(300)
 def test_rig_loop_compiled_matches_eager() -> None:
     eager, eager_state = S.train(torchrig.Rig(accelerator="cpu"))
+    torch._dynamo.reset()  # graphs cached by earlier tests would be reused, not counted
     before = _graphs()
     regional, regional_state = S.train(torchrig.Rig(accelerator="cpu", compile="regional"))
     assert _graphs() == before + 1  # one graph, traced once, shared by both blocks
@@ -221,8 +222,10 @@ def test_trainer_compiled_matches_eager(tmp_path: Path) -> None:
         return module
 
     eager = fit(None)
+    torch._dynamo.reset()  # graphs cached by earlier tests would be reused, not counted
     before = _graphs()
     regional = fit("regional")
+    assert _graphs() == before + 1  # the block traced once
     whole = fit(True)
     assert _graphs() > before + 1
     for compiled in (regional, whole):

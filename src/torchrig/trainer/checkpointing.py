@@ -292,7 +292,8 @@ class ModelCheckpoint(Callback):
         return path
 
     def save_interrupted(self, trainer: Trainer) -> Path:
-        """Save the state of a fit stopped by Ctrl-C at an optimizer step as ``last`` (every rank).
+        """Save the state of a fit stopped by a stop signal (Ctrl-C, SIGTERM...) at an optimizer
+        step as ``last`` (every rank, the same step).
 
         Named by ``filename`` (by epoch and step where it uses a metric not logged yet); not
         ranked. Already saved at this step with ``save_last``: that checkpoint is ``last``.
