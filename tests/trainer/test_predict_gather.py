@@ -66,10 +66,10 @@ try:
 except ValueError as err:
     empty = str(err)
 if trainer.is_global_zero:
-    print(json.dumps({
+    sys.stdout.write(json.dumps({
         "ids": ids, "preds": preds, "batches": [o["batch"] for o in outputs],
         "sizes": [len(o["id"]) for o in outputs], "empty": empty, "epochs": trainer.current_epoch,
-    }))
+    }) + "\n")  # one write: ranks share the output
 """
 
 

@@ -48,14 +48,14 @@ trainer.max_epochs = 5
 trainer.fit(NanOnRankOne(), loader(8, batch_size=2), loader(4, batch_size=2))
 stopped = trainer.rig.all_gather(torch.tensor(trainer.current_epoch)).tolist()
 if trainer.is_global_zero:
-    print(json.dumps({
+    sys.stdout.write(json.dumps({
         "world": trainer.rig.world_size,
         "steps": steps,
         "same_weights": bool(torch.equal(gathered[0], gathered[1])),
         "val_loss": val_loss,
         "preds": torch.cat(preds).tolist(),
         "stopped_at": stopped,
-    }))
+    }) + "\n")  # one write: ranks share the output
 """
 
 
@@ -98,14 +98,14 @@ if __name__ == "__main__":
     )
     trainer.fit(module, loader(16, batch_size=2), loader(8, batch_size=2))
     preds = trainer.predict(module, loader(5, batch_size=2))
-    print(json.dumps({
+    sys.stdout.write(json.dumps({
         "steps": trainer.global_step,
         "changed": not all(torch.equal(a, b) for a, b in zip(before, module.parameters())),
         "rows": [p.shape[0] for p in preds],
         "best": ckpt.best_model_path.rsplit("/", 1)[-1],
         "score": ckpt.best_model_score,
         "val_loss": float(trainer.callback_metrics["val_loss"]),
-    }))
+    }) + "\n")  # one write: ranks share the output
 """
 
 

@@ -79,7 +79,7 @@ def loop(rig: torchrig.Rig, module: Net) -> dict[str, Any]:
 
 
 def emit(layout: str, **fields: Any) -> None:
-    print(json.dumps({"layout": layout, **fields}), flush=True)
+    sys.stdout.write(json.dumps({"layout": layout, **fields}) + "\n")  # one write: ranks share the output
 
 
 if __name__ == "__main__":

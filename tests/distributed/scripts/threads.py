@@ -19,11 +19,12 @@ import torchrig
 def report(rig: torchrig.Rig, layout: str) -> None:
     seen = rig.all_gather(torch.tensor([torch.get_num_threads()])).flatten().tolist()
     if rig.is_global_zero:
-        print(json.dumps({"layout": layout, "threads": seen, "env": os.environ.get("OMP_NUM_THREADS")}), flush=True)
+        row = {"layout": layout, "threads": seen, "env": os.environ.get("OMP_NUM_THREADS")}
+        sys.stdout.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
-    print(json.dumps({"layout": "parent", "threads": [torch.get_num_threads()]}), flush=True)
+    sys.stdout.write(json.dumps({"layout": "parent", "threads": [torch.get_num_threads()]}) + "\n")
     if sys.argv[1] == "launch":
         for strategy in ("ddp_spawn", "ddp_notebook"):
             torchrig.Rig(accelerator="cpu", devices=2, strategy=strategy).launch(report, strategy)
