@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -35,8 +36,33 @@ def _isolate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # Registries are process-global, and defining or importing an accelerator/strategy class
     # registers it (even while test modules are collected): every test starts from the built-ins.
     _restore_registries()
-    yield
+    with process_group_undone():
+        yield
     _restore_registries()
+
+
+@contextlib.contextmanager
+def process_group_undone() -> Iterator[None]:
+    """Destroy a process group made inside the block and put the rank variables back.
+
+    A Rig with strategy="fsdp"/"ddp" and one device joins a one-process group in this process and
+    sets RANK/WORLD_SIZE...; a later test in the same session would find both (torchrig.plan()
+    refuses to run inside a real group, a Rig takes the world size from WORLD_SIZE). A group made
+    by a module-scoped fixture, before the test, is left to that fixture.
+    """
+    import torch.distributed as dist
+
+    saved, had_group = {name: os.environ.get(name) for name in _RANK_VARS}, dist.is_initialized()
+    try:
+        yield
+    finally:
+        if dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _restore_registries() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from trainer_helpers import Regressor, docs_example, loader, process_group_undone, quiet_trainer, subprocess_env
+from trainer_helpers import Regressor, docs_example, loader, quiet_trainer, subprocess_env
 
 import torchrig
 import torchrig.tune
@@ -168,15 +168,15 @@ def test_fit_after_lr_find_equals_fit_without(tmp_path: Path) -> None:
 
 
 def test_fsdp_one_process_restores_the_shards(tmp_path: Path) -> None:
+    # the one-process group FSDP joins is destroyed after the test (conftest: process_group_undone)
     torch.manual_seed(0)
     module = Regressor()
     data = loader(32, batch_size=4)
-    with process_group_undone():
-        trainer = quiet_trainer(tmp_path, strategy="fsdp", max_epochs=1)
-        trainer.fit(module, data)  # the parameters are DTensor shards from here on
-        before = {k: v.full_tensor().clone() for k, v in module.state_dict().items()}
-        result = lr_find(trainer, module, train_dataloaders=data, num_training=10)
-        after = {k: v.full_tensor() for k, v in module.state_dict().items()}
+    trainer = quiet_trainer(tmp_path, strategy="fsdp", max_epochs=1)
+    trainer.fit(module, data)  # the parameters are DTensor shards from here on
+    before = {k: v.full_tensor().clone() for k, v in module.state_dict().items()}
+    result = lr_find(trainer, module, train_dataloaders=data, num_training=10)
+    after = {k: v.full_tensor() for k, v in module.state_dict().items()}
     assert len(result.losses) == 10 and all(math.isfinite(v) for v in result.losses)
     assert all(torch.equal(after[k], before[k]) for k in before)
 

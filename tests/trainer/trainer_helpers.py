@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,23 +99,3 @@ def docs_example(heading: str, doc: str = "trainer_tools.md") -> str:
     end = text.find("\n## ", start + 1)
     (code,) = re.findall(r"```python\n(.*?)```", text[start : end if end != -1 else len(text)], re.S)
     return code
-
-
-@contextlib.contextmanager
-def process_group_undone() -> Iterator[None]:
-    """Run an in-process FSDP (one-process group) Trainer, then destroy the group it made and put the
-    rank variables back: later in-process tests must find neither."""
-    import torch.distributed as dist
-
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved, had_group = {name: os.environ.get(name) for name in names}, dist.is_initialized()
-    try:
-        yield
-    finally:
-        if dist.is_initialized() and not had_group:
-            dist.destroy_process_group()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
