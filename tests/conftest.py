@@ -65,6 +65,13 @@ def process_group_undone() -> Iterator[None]:
                 os.environ[name] = value
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _module_process_group_undone() -> Iterator[None]:
+    """The same for a group made by a module-scoped fixture: destroyed when the module's tests end."""
+    with process_group_undone():
+        yield
+
+
 def _restore_registries() -> None:
     for registry, entries in _BUILTIN_ENTRIES:
         registry._entries.clear()
