@@ -96,18 +96,27 @@ def test_hsdp_matches_ddp(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_checkpoint_moves_between_layouts(two_d: Any, tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
     import torchrig
     from torchrig.demo.transformer import tiny
 
-    ckpt, weights, _ = two_d
-    # (dp_shard=2, tp=2) -> one process
+    script = load_script("model_parallel")
+    ckpt, weights, report = two_d
+    # 3 of the epoch's 4 global batches drawn by 2 data-parallel ranks (the 2 tensor-parallel
+    # ranks of each share their batch): the position is in global samples
+    assert (report["samples_seen"], report["loader_replicas"]) == (3 * script.GLOBAL_BATCH, 2)
+    # (dp_shard=2, tp=2) -> one process: weights, optimizer and the place in the data
     rig = torchrig.Rig(accelerator="cpu")
     model = rig.prepare(tiny())
     optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    rig.load(ckpt, {"model": model, "optimizer": optimizer})
+    loader = rig.prepare(DataLoader(script.dataset(), batch_size=script.GLOBAL_BATCH))
+    fresh = rig.prepare(DataLoader(script.dataset(), batch_size=script.GLOBAL_BATCH))
+    rig.load(ckpt, {"model": model, "optimizer": optimizer, "data": loader})
     assert_same_weights(rig.strategy.module_state_dict(model), weights, atol=0)
+    assert torch.equal(next(iter(loader))[0], list(fresh)[3][0])  # the 4th global batch comes next
     # -> FSDP over 4 shards (loaded, then saved again without training) -> back to (dp_shard=2, tp=2)
-    fsdp, _ = launch(
+    fsdp, fsdp_report = launch(
         tmp_path / "f.pt",
         "--devices",
         "4",
@@ -121,7 +130,8 @@ def test_checkpoint_moves_between_layouts(two_d: Any, tmp_path: Path) -> None:
         str(tmp_path / "fsdp_ck"),
     )
     assert_same_weights(fsdp, weights, atol=0)
-    back, _ = launch(
+    assert (fsdp_report["samples_seen"], fsdp_report["loader_replicas"]) == (3 * script.GLOBAL_BATCH, 4)
+    back, back_report = launch(
         tmp_path / "b.pt",
         "--devices",
         "4",
@@ -135,6 +145,7 @@ def test_checkpoint_moves_between_layouts(two_d: Any, tmp_path: Path) -> None:
         str(tmp_path / "fsdp_ck"),
     )
     assert_same_weights(back, weights, atol=0)
+    assert (back_report["samples_seen"], back_report["loader_replicas"]) == (3 * script.GLOBAL_BATCH, 2)
     # consolidate: one safetensors file with the full weights
     from safetensors.torch import load_file
 

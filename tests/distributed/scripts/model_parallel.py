@@ -5,7 +5,7 @@
 
 Rank 0 writes the full final weights to ``--out`` and, next to it (``.json``), the losses, the
 clipped gradient norms and how many parameter elements it holds. ``--load`` starts from a
-checkpoint (model and optimizer); ``--save`` writes one after training. Importable for the
+checkpoint (model, optimizer and dataloader position); ``--save`` writes one after training. Importable for the
 one-process reference (``train``).
 """
 
@@ -50,13 +50,14 @@ def train(
         model.load_state_dict(reference_init())
     model = rig.prepare(model)
     optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    if load:
-        rig.load(load, {"model": model, "optimizer": optimizer})
     loader = rig.prepare(DataLoader(dataset(), batch_size=GLOBAL_BATCH // rig.strategy.data_parallel_size))
+    state = {"model": model, "optimizer": optimizer, "data": loader}
+    if load:
+        rig.load(load, state)
     losses, norms = [], []
-    for step, (x, y) in enumerate(loader):
-        if step == steps:
-            break
+    batches = iter(loader)
+    for _ in range(steps):  # exactly ``steps`` batches drawn: the saved position is mid-epoch
+        x, y = next(batches)
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         rig.backward(loss)
         norms.append(rig.clip_gradients(model, optimizer, max_norm=MAX_NORM))
@@ -64,13 +65,15 @@ def train(
         optimizer.zero_grad()
         losses.append(rig.all_reduce(loss.detach(), "mean"))
     if save:
-        rig.save(save, {"model": model, "optimizer": optimizer})
+        rig.save(save, state)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     report = {
         "losses": [float(v) for v in losses],
         "norms": [float(v) for v in norms],
         "local_numel": local,
         "world_size": rig.world_size,
+        "samples_seen": loader.state_dict()["samples_seen"],  # global samples of the epoch consumed
+        "loader_replicas": loader.state_dict()["num_replicas"],  # the data-parallel ranks, not the world
         "strategy": type(rig.strategy).__name__,
         "fsdp": any(type(m).__name__.startswith("FSDP") for m in model.modules()),
         "finite": all(
