@@ -124,7 +124,9 @@ def _styles() -> dict[str, Callable[[], ParallelStyle]]:
         "colwise_seq": lambda: ColwiseParallel(input_layouts=Shard(1)),
         "sequence": SequenceParallel,
         "sequence_parallel": SequenceParallel,
+        # a row-split embedding takes whole token ids, not ids split like activations
         "rowwise_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_seq_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     }
 
 
@@ -183,8 +185,8 @@ def resolve_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -
                     f"takes {kinds}. Leave it out of the plan (it stays replicated) or pass a ParallelStyle "
                     "written for it"
                 )
-            if isinstance(style, str) and style == "rowwise" and isinstance(sub, nn.Embedding):
-                out[name] = styles["rowwise_embedding"]()  # token ids come whole, not split like activations
+            if isinstance(style, str) and style in ("rowwise", "rowwise_seq") and isinstance(sub, nn.Embedding):
+                out[name] = styles[f"{style}_embedding"]()
             else:
                 out[name] = styles[style]() if isinstance(style, str) else style
     return out

@@ -63,6 +63,16 @@ def test_tensor_parallel_two_processes_train_like_one(tmp_path: Path) -> None:
     assert_same_weights(weights, ref_weights)
 
 
+@pytest.mark.timeout(120)
+def test_sequence_parallel_trains_like_one_process(tmp_path: Path) -> None:
+    # activations split along the sequence between the split matmuls: norms run on half the tokens
+    weights, report = launch(tmp_path / "w.pt", "--devices", "2", "--tp", "2", "--sequence-parallel")
+    ref_weights, ref = reference()
+    assert report["local_numel"] < ref["local_numel"] * 0.6
+    assert_same_training(report, ref)
+    assert_same_weights(weights, ref_weights)
+
+
 @pytest.fixture(scope="module")
 def two_d(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor], dict[str, Any]]:
     """dp_shard=2 x tp=2 on 4 processes; its final checkpoint is saved for the layout tests."""

@@ -1,7 +1,7 @@
 """A tiny transformer trained under ModelParallelStrategy (or DDP/FSDP), for the N-D parallel tests.
 
     python model_parallel.py --out W.pt --devices 4 --replicate 1 --shard 2 --tp 2 [--empty-init]
-        [--strategy ddp|fsdp] [--save DIR] [--load DIR] [--steps 3]
+        [--strategy ddp|fsdp] [--save DIR] [--load DIR] [--steps 3] [--sequence-parallel]
 
 Rank 0 writes the full final weights to ``--out`` and, next to it (``.json``), the losses, the
 clipped gradient norms and how many parameter elements it holds. ``--load`` starts from a
@@ -26,6 +26,22 @@ from torchrig.demo.transformer import Block, tiny
 GLOBAL_BATCH = 8
 SEQ = 8
 MAX_NORM = 0.5
+
+#: Megatron-style sequence parallel: between the split matmuls the activations (and the norms'
+#: work) are split along the sequence; each split layer gathers them on the way in.
+SEQUENCE_PARALLEL_PLAN = {
+    "tok": "rowwise_seq",
+    "layers.*.norm1": "sequence",
+    "layers.*.attn.q": "colwise",
+    "layers.*.attn.k": "colwise",
+    "layers.*.attn.v": "colwise",
+    "layers.*.attn.o": "rowwise_seq",
+    "layers.*.norm2": "sequence",
+    "layers.*.mlp.up": "colwise",
+    "layers.*.mlp.down": "rowwise_seq",
+    "norm": "sequence",
+    "head": "colwise_rep",
+}
 
 
 def dataset() -> TensorDataset:
@@ -91,6 +107,7 @@ def main() -> None:
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--shard", default="auto")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--sequence-parallel", action="store_true", help="train with SEQUENCE_PARALLEL_PLAN")
     parser.add_argument("--empty-init", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save", default=None)
@@ -102,6 +119,7 @@ def main() -> None:
             data_parallel_replicate=args.replicate,
             data_parallel_shard=args.shard if args.shard == "auto" else int(args.shard),
             tensor_parallel=args.tp,
+            tp_plan=SEQUENCE_PARALLEL_PLAN if args.sequence_parallel else None,
             auto_wrap_policy={Block},
         )
     elif strategy == "fsdp":
