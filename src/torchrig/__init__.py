@@ -13,6 +13,7 @@ from torchrig.checkpoint import CheckpointError
 from torchrig.collections import move_to_device
 from torchrig.devices import current_device_index, device_index, set_device_index
 from torchrig.diagnostics import DeviceMismatchError
+from torchrig.fp8 import FP8Mixed
 from torchrig.planner import plan
 from torchrig.precision import PRECISIONS, Precision
 from torchrig.preemption import Preempted
@@ -33,6 +34,7 @@ from torchrig.trainer import (
     EarlyStopping,
     LearningRateMonitor,
     ModelCheckpoint,
+    ThroughputMonitor,
     Trainer,
     TrainingModule,
 )
@@ -71,6 +73,7 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceStatsMonitor",
     "EarlyStopping",
+    "FP8Mixed",
     "FSDPStrategy",
     "LearningRateMonitor",
     "MLflowLogger",
@@ -87,6 +90,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "Strategy",
     "TensorBoardLogger",
+    "ThroughputMonitor",
     "TorchDeviceAccelerator",
     "Trainer",
     "TrainingModule",

@@ -9,6 +9,7 @@ from torchrig.trainer.early_stopping import EarlyStopping
 from torchrig.trainer.logger_base import Logger
 from torchrig.trainer.module import TrainingModule
 from torchrig.trainer.monitors import DeviceStatsMonitor, LearningRateMonitor
+from torchrig.trainer.throughput import ThroughputMonitor
 from torchrig.trainer.trainer import Trainer
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "LearningRateMonitor",
     "Logger",
     "ModelCheckpoint",
+    "ThroughputMonitor",
     "Trainer",
     "TrainingModule",
 ]
