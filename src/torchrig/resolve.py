@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from torchrig.accelerators import ACCELERATOR_REGISTRY, Accelerator, ensure_registered
-from torchrig.precision import Precision
+from torchrig.precision import PRECISIONS, Precision, normalize_precision
 from torchrig.strategies import STRATEGY_REGISTRY, Strategy
 
 #: Environment variables that ``torchrig run`` sets and ``Rig()``/``Trainer()`` read as defaults.
@@ -137,6 +137,116 @@ def resolve_strategy(strategy: Any, devices: list[torch.device], num_nodes: int)
     return STRATEGY_REGISTRY.get(name)
 
 
+def resolve_precision(precision: Any, device_type: str) -> Precision:
+    """A :class:`Precision` from a name, or the instance given, checked against the device type."""
+    if isinstance(precision, Precision):
+        if precision.device_type != device_type:
+            raise ValueError(
+                f"precision=Precision(name={precision.name!r}, device_type={precision.device_type!r}) was made for "
+                f"{precision.device_type}, but this run's devices are {device_type}; pass "
+                f"precision={precision.name!r}, or make it with device_type={device_type!r}"
+            )
+        return precision
+    return Precision(name=precision, device_type=device_type)
+
+
+# -- what an accelerator carries ----------------------------------------------------------
+# ``CPUAccelerator(precision="bf16-mixed", strategy="ddp")``: the Accelerator documents hand the
+# Trainer one object holding its precision and training-type plugins. Rig/Trainer use what the
+# accelerator carries when their own argument is not given; two different values are an error.
+
+
+def _checked(kind: str, value: Any, arg: str) -> str | Precision | Strategy:
+    """``value`` for ``kind`` ("precision" or "strategy") in canonical form; ``arg`` names it in errors."""
+    if kind == "precision":
+        if isinstance(value, Precision):
+            return value
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise TypeError(
+                f"{arg}={value!r} must be a precision name ({', '.join(PRECISIONS)}, auto) "
+                "or a torchrig.Precision"
+            )
+        try:
+            return normalize_precision(value)
+        except ValueError as err:
+            raise ValueError(str(err).replace("precision=", f"{arg}=", 1)) from None
+    if isinstance(value, Strategy):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{arg}={value!r} must be a strategy name ({', '.join(STRATEGY_REGISTRY.names())}, auto) or a Strategy"
+        )
+    name = value.strip().lower()
+    if name != "auto" and name not in STRATEGY_REGISTRY:
+        raise ValueError(f"{arg}={value!r}: {STRATEGY_REGISTRY.unknown_name_message(name)}")
+    return name
+
+
+def _agree(a: Any, b: Any) -> bool:
+    """Whether two checked precisions, or two checked strategies, ask for the same thing.
+
+    Precisions agree when their names do. Two strategy names agree when equal; a name and a
+    Strategy when the name builds that class with the same settings (its repr); two different
+    Strategy objects never do (which one would be used?).
+    """
+    if a is b:
+        return True
+    if isinstance(a, (Precision, Strategy)) and isinstance(b, str):
+        a, b = b, a
+    if isinstance(b, Precision) or isinstance(a, Precision):
+        return getattr(a, "name", a) == getattr(b, "name", b)
+    if isinstance(a, str) and isinstance(b, str):
+        return a == b
+    if isinstance(a, str) and isinstance(b, Strategy) and a != "auto":
+        built = STRATEGY_REGISTRY.get(a)
+        return type(built) is type(b) and repr(built) == repr(b)
+    return False
+
+
+def carried_choice(owner: str, kind: str, value: Any, alias: str, alias_value: Any) -> Any:
+    """What an accelerator carries for ``kind`` from ``kind=`` and its documents' name ``alias=``.
+
+    Returns the checked value (a canonical name or the object), or None when neither was given.
+
+    Raises:
+        ValueError: both were given and disagree (the message names both values).
+    """
+    a = None if value is None else _checked(kind, value, kind)
+    b = None if alias_value is None else _checked(kind, alias_value, alias)
+    if a is None or b is None:
+        return a if b is None else b
+    if not _agree(a, b):
+        raise ValueError(
+            f"{owner} got {kind}={value!r} and {alias}={alias_value!r}, which disagree; "
+            f"{alias}= is another name for {kind}=, so give only one of them"
+        )
+    return b if isinstance(b, (Precision, Strategy)) else a
+
+
+def with_carried(kind: str, given: Any, acc: Accelerator) -> Any:
+    """``given`` (the Rig's own ``precision=``/``strategy=``), else what ``acc`` carries.
+
+    An accelerator whose subclass never called ``Accelerator.__init__`` carries nothing.
+
+    Raises:
+        ValueError: both are given and disagree (the message names both values).
+    """
+    carried = getattr(acc, kind, None)
+    if carried is None:
+        return given
+    carried = _checked(kind, carried, f"{type(acc).__name__}.{kind}")
+    if given is None:
+        return carried
+    if _agree(_checked(kind, given, kind), carried):
+        return carried if isinstance(carried, (Precision, Strategy)) else given
+    both_objects = isinstance(given, Strategy) and isinstance(carried, Strategy)
+    raise ValueError(
+        f"{kind}={given!r} was given, but the accelerator {acc.name()!r} carries {kind}={carried!r}"
+        + (" (a different object)" if both_objects else "")
+        + f"; give the {kind} in one place: on the accelerator, or as {kind}= of Rig/Trainer"
+    )
+
+
 def _launched_world_size() -> int:
     """The world size of a job started by torchrun/SLURM around this process (1 when none)."""
     from torchrig.strategies.environment import detect_environment
@@ -154,6 +264,9 @@ def resolve(
 ) -> Plan:
     """Turn user choices (``None`` = environment default, then built-in default) into a Plan.
 
+    A ``precision``/``strategy`` left ``None`` is taken from the accelerator when it carries one
+    (``CPUAccelerator(precision="bf16-mixed")``), before the environment and the default.
+
     Example:
         >>> plan = resolve(accelerator="cpu", precision="bf16")
         >>> plan.precision.name, plan.strategy
@@ -163,9 +276,11 @@ def resolve(
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"num_nodes={nodes!r} must be a positive int (the number of machines)")
     acc = resolve_accelerator(default("accelerator", accelerator))
+    strategy = with_carried("strategy", strategy, acc)
+    precision = with_carried("precision", precision, acc)
     devs = resolve_devices(acc, default("devices", devices))
     strat = resolve_strategy(default("strategy", strategy), devs, nodes)
-    prec = Precision(name=default("precision", precision), device_type=devs[0].type)
+    prec = resolve_precision(default("precision", precision), devs[0].type)
     strat.accelerator = acc
     strat.parallel_devices = devs
     strat.precision = prec

@@ -46,7 +46,7 @@ class Rig:
         strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"ddp_spawn"``, ``"fsdp"``..., or a
             :class:`~torchrig.Strategy` instance.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
-            ``"16-true"``, ``"64-true"``, or ``"auto"``.
+            ``"16-true"``, ``"64-true"``, ``"auto"``, or a :class:`~torchrig.precision.Precision`.
         num_nodes: how many machines take part.
         timeout: how long a collective waits for the other ranks before it fails (seconds or a
             ``timedelta``; default: the strategy's, 10 minutes). It is the process group's timeout,
@@ -61,7 +61,8 @@ class Rig:
             See docs/speed.md; state-dict keys never change with either.
 
     ``None`` means the ``TORCHRIG_*`` environment variable that ``torchrig run`` sets, and then
-    the default (auto, auto, auto, 32-true, 1).
+    the default (auto, auto, auto, 32-true, 1); a ``strategy``/``precision`` left ``None`` is
+    first taken from the accelerator when it carries one (``CPUAccelerator(precision="bf16")``).
 
     Example:
         >>> import torch, torchrig
@@ -79,7 +80,7 @@ class Rig:
         accelerator: str | Accelerator | None = None,
         devices: int | str | list[int] | None = None,
         strategy: str | Strategy | None = None,
-        precision: str | int | None = None,
+        precision: str | int | Precision | None = None,
         num_nodes: int | None = None,
         timeout: float | timedelta | None = None,
         compile: bool | str | dict[str, Any] | None = None,

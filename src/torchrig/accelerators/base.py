@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from torchrig.precision import Precision
+    from torchrig.strategies.base import Strategy
 
 
 class Accelerator:
@@ -32,12 +36,58 @@ class Accelerator:
         ...         registry.register("sim_doc", cls, description="doc example", override=True)
         >>> torchrig.ACCELERATOR_REGISTRY.get("sim_doc").name()
         'sim_doc'
+
+    An accelerator may also carry the precision and strategy of the run, which ``Rig`` and
+    ``Trainer`` then use when their own ``precision=`` / ``strategy=`` are not given (giving
+    both with different values is an error):
+
+        >>> acc = torchrig.CPUAccelerator(precision="bf16", strategy="single")
+        >>> acc.precision, acc.strategy
+        ('bf16-mixed', 'single')
+        >>> torchrig.Rig(accelerator=acc).precision.name
+        'bf16-mixed'
+
+    Args:
+        precision: a precision name (as ``Rig(precision=)`` takes) or a :class:`~torchrig.precision.Precision`.
+        strategy: a strategy name (as ``Rig(strategy=)`` takes) or a :class:`~torchrig.Strategy`.
+        precision_plugin: another name for ``precision`` (the one the Accelerator documents use).
+        training_type_plugin: another name for ``strategy`` (the one the Accelerator documents use).
+
+    A subclass whose ``__init__`` does not pass these on to ``super().__init__`` carries nothing.
     """
 
     #: The ``torch.device`` type this accelerator puts tensors on.
     device_type: ClassVar[str] = "cpu"
     #: The name this instance was built under by the registry (set by ``ACCELERATOR_REGISTRY.get``).
     _registry_name: str | None = None
+    #: The precision this accelerator carries: a canonical name, a Precision, or None (none).
+    precision: str | Precision | None = None
+    #: The strategy this accelerator carries: a lower-case name, a Strategy, or None (none).
+    strategy: str | Strategy | None = None
+
+    def __init__(
+        self,
+        *,
+        precision: str | int | Precision | None = None,
+        strategy: str | Strategy | None = None,
+        precision_plugin: str | int | Precision | None = None,
+        training_type_plugin: str | Strategy | None = None,
+    ) -> None:
+        from torchrig.resolve import carried_choice  # resolve imports this module
+
+        owner = type(self).__name__
+        self.precision = carried_choice(owner, "precision", precision, "precision_plugin", precision_plugin)
+        self.strategy = carried_choice(owner, "strategy", strategy, "training_type_plugin", training_type_plugin)
+
+    @property
+    def precision_plugin(self) -> str | Precision | None:
+        """The carried precision, under the name the Accelerator documents use."""
+        return self.precision
+
+    @property
+    def training_type_plugin(self) -> str | Strategy | None:
+        """The carried strategy, under the name the Accelerator documents use."""
+        return self.strategy
 
     @staticmethod
     def parse_devices(devices: Any) -> Any:
@@ -99,5 +149,9 @@ class Accelerator:
 
             cls.register_accelerators(ACCELERATOR_REGISTRY)
 
+    def carried_repr(self) -> list[str]:
+        """``["precision='bf16-mixed'", "strategy='ddp'"]``: what this accelerator carries, for reprs."""
+        return [f"{k}={v!r}" for k, v in (("precision", self.precision), ("strategy", self.strategy)) if v is not None]
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}({', '.join(self.carried_repr())})"

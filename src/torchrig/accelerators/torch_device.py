@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import platform
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchrig.accelerators.base import Accelerator
 from torchrig.devices import select_indices
+
+if TYPE_CHECKING:
+    from torchrig.precision import Precision
+    from torchrig.strategies.base import Strategy
 
 
 def device_module(device_type: str) -> ModuleType | None:
@@ -41,6 +45,8 @@ class TorchDeviceAccelerator(Accelerator):
 
     Args:
         device_type: the ``torch.device`` type, such as ``"cuda"``, ``"xpu"``, ``"mps"``, ``"npu"``.
+        precision, strategy, precision_plugin, training_type_plugin: what the accelerator
+            carries to ``Rig``/``Trainer``, as for :class:`~torchrig.Accelerator`.
 
     Example:
         >>> acc = TorchDeviceAccelerator(device_type="cuda")
@@ -48,7 +54,21 @@ class TorchDeviceAccelerator(Accelerator):
         'cuda'
     """
 
-    def __init__(self, *, device_type: str) -> None:
+    def __init__(
+        self,
+        *,
+        device_type: str,
+        precision: str | int | Precision | None = None,
+        strategy: str | Strategy | None = None,
+        precision_plugin: str | int | Precision | None = None,
+        training_type_plugin: str | Strategy | None = None,
+    ) -> None:
+        super().__init__(
+            precision=precision,
+            strategy=strategy,
+            precision_plugin=precision_plugin,
+            training_type_plugin=training_type_plugin,
+        )
         self.device_type = device_type  # type: ignore[misc]
 
     # The Accelerator API declares these static; this class serves many device types, so they
@@ -163,4 +183,5 @@ class TorchDeviceAccelerator(Accelerator):
         return self.device_type if found == type(self).__name__ else found
 
     def __repr__(self) -> str:
-        return f"TorchDeviceAccelerator(device_type={self.device_type!r})"
+        args = ", ".join([f"device_type={self.device_type!r}", *self.carried_repr()])
+        return f"TorchDeviceAccelerator({args})"
