@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from torchrig.collections import apply_to_tensors
+from torchrig.fp8 import FP8_PRECISION, FP8Mixed
 
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
@@ -25,23 +26,29 @@ _TRUE_DTYPES = {
     "16-true": torch.float16,
     "bf16-true": torch.bfloat16,
 }
-_MIXED_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_MIXED_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, FP8_PRECISION: torch.bfloat16}
+#: Every name ``precision=`` takes: :data:`PRECISIONS` and ``fp8-mixed`` (torchao's float8, an optional extra).
+NAMES = (*PRECISIONS, FP8_PRECISION)
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def normalize_precision(precision: Any) -> str:
-    """Map ``32``, ``"16"``, ``"bf16"``... to the canonical names; anything else is an error."""
+    """Map ``32``, ``"16"``, ``"bf16"``... to the canonical names (an :class:`~torchrig.FP8Mixed` to
+    ``"fp8-mixed"``); anything else is an error."""
+    if isinstance(precision, FP8Mixed):
+        return FP8_PRECISION
     if isinstance(precision, bool) or not isinstance(precision, (int, str)):
         raise TypeError(
-            f"precision={precision!r} must be a string such as 'bf16-mixed'; choose from {', '.join(PRECISIONS)}"
+            f"precision={precision!r} must be a string such as 'bf16-mixed' (or a torchrig.FP8Mixed); "
+            f"choose from {', '.join(NAMES)}"
         )
     name = ALIASES.get(str(precision), str(precision))
-    if name not in PRECISIONS and name != "auto":
+    if name not in NAMES and name != "auto":
         import difflib
 
-        hint = difflib.get_close_matches(name, PRECISIONS + tuple(ALIASES), n=1)
+        hint = difflib.get_close_matches(name, NAMES + tuple(ALIASES), n=1)
         extra = f" Did you mean {hint[0]!r}?" if hint else ""
-        raise ValueError(f"unknown precision={precision!r}; choose from {', '.join(PRECISIONS)} or 'auto'.{extra}")
+        raise ValueError(f"unknown precision={precision!r}; choose from {', '.join(NAMES)} or 'auto'.{extra}")
     return name
 
 
@@ -147,7 +154,8 @@ class Precision:
     """The dtypes of a run on one device type.
 
     Args:
-        name: one of :data:`PRECISIONS`.
+        name: one of :data:`NAMES` (:data:`PRECISIONS` and ``"fp8-mixed"``), or an
+            :class:`~torchrig.FP8Mixed` (``fp8-mixed`` with a choice of layers).
         device_type: the ``torch.device`` type the run uses.
 
     Example:
@@ -158,21 +166,47 @@ class Precision:
         torch.bfloat16
     """
 
-    def __init__(self, *, name: str, device_type: str) -> None:
+    def __init__(self, *, name: str | FP8Mixed, device_type: str) -> None:
         self.name = normalize_precision(name)
         self.device_type = device_type
         if self.name == "auto":
             self.name = auto_precision(device_type)
-        can = supported_precisions(device_type)
-        if self.name not in can:
-            raise ValueError(
-                f"precision={self.name!r} is not supported on {device_type}; {device_type} supports: {', '.join(can)}"
-            )
+        #: What ``fp8-mixed`` converts (None for every other precision).
+        self.fp8: FP8Mixed | None = None
+        if self.name == FP8_PRECISION:
+            self.fp8 = name if isinstance(name, FP8Mixed) else FP8Mixed()
+            self._check_fp8()
+        else:
+            can = supported_precisions(device_type)
+            if self.name not in can:
+                raise ValueError(
+                    f"precision={self.name!r} is not supported on {device_type}; "
+                    f"{device_type} supports: {', '.join(can)}"
+                )
         self.param_dtype: torch.dtype | None = _TRUE_DTYPES.get(self.name)
         self.autocast_dtype: torch.dtype | None = _MIXED_DTYPES.get(self.name)
         self.scaler: DeferredUpdateGradScaler | None = (
             DeferredUpdateGradScaler(device_type) if self.name == "16-mixed" else None
         )
+
+    def _check_fp8(self) -> None:
+        """fp8-mixed needs bf16 autocast, torchao, and float8 matmul on the device: else an error."""
+        from torchrig.fp8 import fp8_unsupported_reason, require_torchao
+
+        device_type = self.device_type
+        can = supported_precisions(device_type)
+        if "bf16-mixed" not in can:
+            raise ValueError(
+                f"precision='{FP8_PRECISION}' runs under bf16 autocast (bf16-mixed), which is not supported on "
+                f"{device_type}; {device_type} supports: {', '.join(can)}"
+            )
+        require_torchao()
+        reason = fp8_unsupported_reason(device_type)
+        if reason is not None:
+            raise ValueError(
+                f"precision='{FP8_PRECISION}' is not supported on {device_type}: {reason}. "
+                f"Use precision='bf16-mixed'; {device_type} supports: {', '.join(can)}"
+            )
 
     @property
     def is_mixed(self) -> bool:
@@ -189,7 +223,13 @@ class Precision:
         return self.param_dtype in (torch.float16, torch.bfloat16) or self.is_mixed
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Cast the module's floating parameters and buffers for ``*-true`` precisions."""
+        """Cast the module's floating parameters and buffers for ``*-true`` precisions; under
+        ``fp8-mixed``, swap the chosen ``nn.Linear`` layers for torchao ``Float8Linear`` (see
+        :mod:`torchrig.fp8`)."""
+        if self.fp8 is not None:
+            from torchrig.fp8 import convert
+
+            return convert(module, self.fp8)
         return module.to(dtype=self.param_dtype) if self.converts else module
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
