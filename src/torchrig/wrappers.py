@@ -113,6 +113,29 @@ class RigModule(nn.Module):
 
         return call
 
+    def direct_caller(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` (the module's ``training_step``...) run under the precision (input casts,
+        autocast, output casts) but *not* as the wrapped module's forward: the strategy's wrapper
+        sees only the calls made inside it (``self(x)``, a submodule's call), each as a forward of
+        its own. A device or dtype mismatch is re-raised as in ``forward``."""
+        precision, reraise = self._rig_precision, self._rig_reraise
+        autocast, converts, converts_output = self._rig_autocast, self._rig_converts, self._rig_converts_output
+
+        def call(*args: Any) -> Any:
+            if converts:
+                args = precision.convert_input(args)
+            try:
+                if autocast is None:
+                    out = method(*args)
+                else:
+                    with autocast():
+                        out = method(*args)
+            except RuntimeError as err:
+                reraise(err, args, {})
+            return precision.convert_output(out) if converts_output else out
+
+        return call
+
     def _call_swapped(self, method: Callable[..., Any], *args: Any) -> Any:
         """``method(*args)`` run as the module's ``forward``, through the wrapper's ``__call__``."""
         attrs = self._rig_module.__dict__  # the instance dict, past nn.Module's slower __setattr__

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 from trainer_helpers import ROOT, Regressor, loader, quiet_trainer, subprocess_env
 
 GAN_SCRIPT = ROOT / "examples" / "gan.py"
@@ -120,9 +121,9 @@ def test_manual_accumulation_and_clipping_equal_the_automatic_trainer(
     torch.manual_seed(0)
     start = Regressor()
     automatic = copy.deepcopy(start)
-    quiet_trainer(
-        tmp_path, max_epochs=2, seed=3, accumulate_grad_batches=accumulate, gradient_clip_val=clip
-    ).fit(automatic, loader(32, batch_size=4, shuffle=True))
+    quiet_trainer(tmp_path, max_epochs=2, seed=3, accumulate_grad_batches=accumulate, gradient_clip_val=clip).fit(
+        automatic, loader(32, batch_size=4, shuffle=True)
+    )
     manual = Manual(accumulate, clip)
     manual.load_state_dict(start.state_dict())
     trainer = quiet_trainer(tmp_path, max_epochs=2, seed=3)
@@ -241,26 +242,72 @@ def test_no_backward_sync_outside_a_fit_says_so() -> None:
         pass
 
 
-def test_fsdp_refuses_manual_optimization(tmp_path: Path) -> None:
-    import os
+def test_direct_caller_runs_a_method_under_the_precision_but_not_as_the_forward() -> None:
+    """RigModule.direct_caller (FSDP's manual step): autocast and output casts around the method, no
+    forward hooks of the wrapped module around it; a device mismatch is explained as in forward."""
+    import torchrig
+    from torchrig.diagnostics import DeviceMismatchError
 
+    rig = torchrig.Rig(accelerator="cpu", precision="bf16-mixed")
+    model = rig.prepare(torch.nn.Linear(4, 2))
+    forwards: list[str] = []
+    model.module.register_forward_pre_hook(lambda *_: forwards.append("forward"))
+    seen: list[bool] = []
+
+    def method(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return model.module(x)
+
+    out = model.direct_caller(method)(torch.randn(3, 4))
+    assert seen == [True] and out.dtype == torch.float32  # computed in bf16, handed back in fp32
+    assert forwards == ["forward"]  # only the call made inside the method
+    with pytest.raises(DeviceMismatchError):
+        model.direct_caller(lambda x: model.module(x.to("meta")))(torch.randn(3, 4))
+
+
+def test_fsdp_manual_step_calling_a_submodule_inside_the_roots_shard_says_what_to_shard(tmp_path: Path) -> None:
+    """Without auto_wrap_policy the GAN's generator is part of the root's shard: outside the root's
+    forward its parameters are this rank's shards, and calling it directly cannot work."""
+    gan = load_gan_example()
+    trainer = quiet_trainer(tmp_path, strategy="fsdp", max_steps=1)
+    with pytest.raises(RuntimeError) as raised:
+        trainer.fit(gan.GAN(), DataLoader(gan.make_data(64), batch_size=32))
+    message = str(raised.value)
+    assert message.startswith(
+        "under manual optimization with strategy='fsdp', training_step runs outside the model's forward, where "
+        "FSDP keeps only each rank's shard of the parameters: call self(...) (the sharded root), or submodules "
+        "sharded on their own (FSDPStrategy(auto_wrap_policy={YourSubmodule, ...}))"
+    ), message
+    assert "torch said: " in message and "DTensor" in message
+
+
+def test_fsdp_init_root_makes_the_root_before_a_submodule_runs_first() -> None:
+    """fsdp._init_root reaches FSDP2's private lazy init (no public call does it): a manual step may
+    call a sharded submodule before the root. Fails if torch renames or changes it."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
 
-    # The one-process FSDP group sets the rank variables and stays: later tests must find neither.
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved, had_group = {name: os.environ.get(name) for name in names}, dist.is_initialized()
-    try:
-        trainer = quiet_trainer(tmp_path, strategy="fsdp", max_steps=1)
-        with pytest.raises(ValueError, match=r"Manual sets automatic_optimization = False, which strategy=FSDP"):
-            trainer.fit(Manual(), loader(8))
-    finally:
-        if dist.is_initialized() and not had_group:
-            dist.destroy_process_group()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    from torchrig.strategies.fsdp import _init_root
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # undone by conftest
+
+    def sharded() -> tuple[torch.nn.Module, torch.nn.Module]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        reference = copy.deepcopy(model)
+        fully_shard(model[0])
+        return fully_shard(model), reference
+
+    x = torch.randn(2, 4)
+    plain, _ = sharded()
+    plain[0](x)  # the submodule runs first and makes itself a root
+    with pytest.raises(RuntimeError, match="requires running forward through the root module first"):
+        plain(x)
+    model, reference = sharded()
+    _init_root(model)
+    assert torch.allclose(model[0](x), reference[0](x))
+    assert torch.allclose(model(x), reference(x))  # the root still runs
+    _init_root(torch.nn.Linear(2, 2))  # not sharded: nothing to do
 
 
 def run_gan(tmp_path: Path, loop: str, devices: int, precision: str) -> dict[str, torch.Tensor]:
@@ -387,3 +434,92 @@ def test_a_backward_that_misses_parameters_under_ddp_asks_for_find_unused_parame
         "discriminator loss does not reach the generator), so DDP never finished averaging its gradients; "
         "pass strategy=torchrig.DDPStrategy(find_unused_parameters=True)" in done.stderr
     ), done.stderr[-3000:]
+
+
+FSDP_SCRIPT = r"""
+import importlib.util, json, sys
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+import torchrig
+from trainer_helpers import Regressor, loader
+from test_manual_optimization import Manual
+
+spec = importlib.util.spec_from_file_location("gan_example", sys.argv[1])
+gan = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gan)
+
+
+def fit(module, strategy, data):
+    trainer = torchrig.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, seed=1,
+                               enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                               num_sanity_val_steps=0, default_root_dir=sys.argv[2])
+    trainer.fit(module, data)
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in module.state_dict().items()}
+    return trainer, {k: v.detach().clone() for k, v in full.items()}
+
+
+def twins(make):
+    torch.manual_seed(0)
+    start = make()
+    a, b = make(), make()
+    a.load_state_dict(start.state_dict())
+    b.load_state_dict(start.state_dict())
+    return start.state_dict(), a, b
+
+
+def largest(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# The GAN (two optimizers, two backward passes, clipping): the networks are the FSDP units.
+start, on_ddp, on_fsdp = twins(gan.GAN)
+data = lambda: DataLoader(gan.make_data(256), batch_size=32, shuffle=True)
+_, ddp = fit(on_ddp, torchrig.DDPStrategy(find_unused_parameters=True), data())
+trainer, fsdp = fit(on_fsdp, torchrig.FSDPStrategy(auto_wrap_policy={nn.Sequential}), data())
+gan_row = {"fsdp_vs_ddp": largest(fsdp, ddp), "least_change": min(float((ddp[k] - start[k]).abs().max()) for k in ddp),
+           "steps": trainer.global_step, "strategy": repr(trainer.rig.strategy)}
+
+# self(x) on the root, accumulating over 2 batches with no_backward_sync, clipping at each step.
+_, on_ddp, on_fsdp = twins(lambda: Manual(accumulate=2, clip=0.5))
+_, ddp = fit(on_ddp, "ddp", loader(32, batch_size=2, shuffle=True))
+trainer, fsdp = fit(on_fsdp, "fsdp", loader(32, batch_size=2, shuffle=True))
+clipped = [float(n) for n in on_fsdp.norms]
+sys.stdout.write(json.dumps({  # one write: the ranks share the output
+    "rank": trainer.global_rank, "gan": gan_row, "accumulated": largest(fsdp, ddp), "steps": trainer.global_step,
+    "norms": len(clipped),
+    "norms_close": torch.allclose(torch.tensor(clipped), torch.tensor([float(n) for n in on_ddp.norms]), atol=1e-6),
+}) + "\n")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_manual_optimization_on_two_fsdp_processes_equals_ddp(tmp_path: Path) -> None:
+    """FSDP2 runs a manual step like DDP: the same global data gives the same weights (allclose),
+    for the GAN (two optimizers, each network its own FSDP unit) and for accumulation over
+    no_backward_sync with clipping (the root's shard)."""
+    script = tmp_path / "run.py"
+    script.write_text(FSDP_SCRIPT)
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{Path(__file__).parent}:{env['PYTHONPATH']}"
+    done = subprocess.run(
+        [sys.executable, str(script), str(GAN_SCRIPT), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=str)
+    assert [r["rank"] for r in rows] == [0, 1]
+    for row in rows:
+        gan = row["gan"]
+        assert gan["strategy"].startswith("FSDPStrategy(")
+        assert gan["steps"] == 4  # 256 samples, batches of 32, 2 processes
+        assert gan["least_change"] > 1e-4  # every weight of both networks trained
+        assert gan["fsdp_vs_ddp"] < 1e-6, gan
+        assert row["steps"] == 8 and row["accumulated"] < 1e-6, row
+        assert row["norms"] == 4 and row["norms_close"]  # clip_gradients' total norm, one per optimizer step

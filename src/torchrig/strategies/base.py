@@ -18,6 +18,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torchrig.accelerators.base import Accelerator
     from torchrig.precision import Precision
+    from torchrig.wrappers import RigModule
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 
@@ -123,8 +124,22 @@ class Strategy:
     def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type, foreach=None)
 
-    #: Whether ``TrainingModule.manual_backward`` works: a backward inside ``training_step``.
-    manual_backward_supported = True
+    def manual_step_caller(self, module: RigModule, method: Callable[..., Any]) -> Callable[..., Any]:
+        """How the Trainer calls ``method`` (``training_step``) under manual optimization, where the
+        backward passes and optimizer steps happen inside it.
+
+        By default as the wrapped module's forward (the wrapper's hooks, DDP's buffer broadcast,
+        see the step as one forward), with the wrapper's own gradient sync off: the end of that
+        forward would arm the sync for a backward that never comes; ``manual_backward`` arms each
+        one (:meth:`prepare_for_backward`)."""
+        step = module.step_caller(method)
+        wrapped = module._forward_module
+
+        def call(*args: Any) -> Any:
+            with self.no_backward_sync(wrapped, True):
+                return step(*args)
+
+        return call
 
     def prepare_for_backward(self, module: nn.Module, loss: torch.Tensor) -> None:
         """Make the wrapper of ``module`` synchronise the gradients of the backward of ``loss``.

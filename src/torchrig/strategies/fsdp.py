@@ -5,13 +5,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from torchrig.strategies.base import reset_parameters
 from torchrig.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
+
+if TYPE_CHECKING:
+    from torchrig.wrappers import RigModule
 
 WrapPolicy = Callable[[nn.Module], bool]
 #: Device types FSDP2 does not run on (no sharded collectives there).
@@ -168,9 +171,38 @@ class FSDPStrategy(ParallelStrategy):
             )
         return found[1]
 
-    #: FSDP reduce-scatters the gradients when the backward of its forward's output ends; a
-    #: backward inside ``training_step`` (inside that forward) never gets there.
-    manual_backward_supported = False
+    def manual_step_caller(self, module: RigModule, method: Callable[..., Any]) -> Callable[..., Any]:
+        """Call ``training_step`` directly (under the precision), not as the root module's forward.
+
+        FSDP2's hooks belong to each ``fully_shard`` module and run around each call of one: its
+        pre-forward all-gathers the parameters, its post-forward reshards them and hooks the
+        output, whose backward queues the root's final callback; that callback reduce-scatters
+        the gradients when the backward ends. Run as the root's forward, a step would keep the
+        root's parameters gathered through every backward and ``optimizer.step()`` inside it (and
+        no backward would reach the output hook). Called directly, each ``self(x)`` (or call of a
+        submodule sharded on its own, ``auto_wrap_policy``) inside the step is a forward of its
+        own: gathered with the latest weights, and each ``manual_backward`` ends in FSDP's
+        reduce-scatter (skipped inside ``no_backward_sync``: ``set_requires_gradient_sync``).
+        """
+        root = module._forward_module
+        _init_root(root)  # a submodule called first must not become a root of its own
+        call = module.direct_caller(method)
+
+        def step(*args: Any) -> Any:
+            try:
+                return call(*args)
+            except RuntimeError as err:
+                if "mixed torch.Tensor and DTensor" not in str(err):
+                    raise
+                raise RuntimeError(
+                    f"under manual optimization with strategy={self.name!r}, training_step runs outside the "
+                    "model's forward, where FSDP keeps only each rank's shard of the parameters: call self(...) "
+                    "(the sharded root), or submodules sharded on their own "
+                    "(FSDPStrategy(auto_wrap_policy={YourSubmodule, ...})), not a submodule inside the "
+                    f"root's shard. torch said: {err}"
+                ) from err
+
+        return step
 
     def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
@@ -196,6 +228,20 @@ class FSDPStrategy(ParallelStrategy):
 
     def __repr__(self) -> str:
         return f"FSDPStrategy(cpu_offload={self.cpu_offload}, reshard_after_forward={self.reshard_after_forward})"
+
+
+def _init_root(module: nn.Module) -> None:
+    """Make ``module`` the root of its FSDP2 tree now, as its first forward would.
+
+    FSDP2 picks the root lazily: the first ``fully_shard`` module to run a forward becomes it,
+    and a later forward of an outer one then fails ("FSDP requires running forward through the
+    root module first"). A manual ``training_step`` may call a sharded submodule before ``self``.
+    torch has no public call for this: ``FSDPState._lazy_init`` is private (idempotent), kept to
+    this one function; tests/trainer/test_manual_optimization.py fails if it changes.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is not None:
+        get_state()._lazy_init()
 
 
 @contextlib.contextmanager

@@ -221,9 +221,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
         if not stop:
             stop = poll()  # collective: the same batches on every rank
         # Inside an epoch only max_steps (of _fit_done's limits), a stop or a stop signal can end the fit.
-        final = (
-            is_last or tr.should_stop or stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
-        )
+        final = is_last or tr.should_stop or stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
         if sparse and (final or clock() >= due):  # after this batch's validation, if any
             for hook in sparse:
                 hook(tr, module, output, batch, batch_idx)
@@ -270,22 +268,38 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
         clip, schedulers = profiler.wrap(OPTIMIZER, clip), profiler.wrap(OPTIMIZER, schedulers)
         log_step = profiler.wrap(LOGGING, log_step)
 
+    # Token-weighted steps (a dict with "num_items"): the window's count and the gradient scaling.
+    items = ItemWindow(rig.world_size, rig.device, optimizers)
+    finish = items.finish if profiler is None else profiler.wrap(OPTIMIZER, items.finish)
+
     def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
         accumulate = tr.accumulate_grad_batches
         if accumulate == 1:  # every batch is a boundary: no context manager, no division
             output = training_step(batch, batch_idx)
-            loss = output if type(output) is torch.Tensor else loss_of(output)
-            if loss is not None:
-                backward(loss)
+            if type(output) is torch.Tensor:
+                backward(output)
+            elif type(output) is dict and "num_items" in output:
+                backward(items.add(output, batch_idx, 1, True))
+                finish(batch_idx)
+            else:
+                loss = loss_of(output)
+                if loss is not None:
+                    backward(loss)
         else:
             boundary = (batch_idx + 1) % accumulate == 0 or is_last
             with rig.no_backward_sync(prepared, enabled=not boundary):
                 output = training_step(batch, batch_idx)
-                loss = loss_of(output)
-                if loss is not None:
-                    backward(loss / accumulate)
+                if type(output) is dict and "num_items" in output:
+                    backward(items.add(output, batch_idx, accumulate, boundary))
+                else:
+                    loss = loss_of(output)
+                    if loss is not None:
+                        backward(loss / accumulate)
+                        items.plain_at = batch_idx
             if not boundary:
                 return output
+            if items.open:  # also when this window's last batch returned None or a plain loss
+                finish(batch_idx)
         # The optimizer step: clip, step and zero every optimizer, step the per-step schedulers.
         if tr.gradient_clip_val is not None:
             clip(tr, prepared, optimizers)
@@ -303,6 +317,123 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     return one_batch
 
 
+class ItemWindow:
+    """The token-weighted gradient of one optimizer step (``training_step`` returned
+    ``{"loss": loss_sum, "num_items": n}``): the sum of every micro-batch's ``loss_sum`` over
+    the accumulation window and every process, divided by the sum of their ``num_items``,
+    which is the gradient of one batch holding all of them.
+
+    Each micro-batch's ``loss_sum`` is backpropagated as it is; the counts add up (Python numbers
+    on the host, tensors on their device: no host sync). Right after the window's last forward the
+    count is summed over the processes in one asynchronous all-reduce, which runs during the last
+    backward. Then every gradient is multiplied by ``world_size / total`` in place (one
+    ``torch._foreach_mul_`` per device), before clipping and the GradScaler's unscale. DDP and
+    FSDP2 average the gradients over the data-parallel processes, hence ``world_size``; summing
+    the counts over every process counts a tensor-parallel group's shared batch once per member,
+    which the same factor cancels. A window whose count is 0 on every process gets zero gradients.
+    """
+
+    __slots__ = ("dev", "device", "host", "open", "optimizers", "plain_at", "start", "total", "work", "world")
+
+    def __init__(self, world: int, device: torch.device, optimizers: list[Any]) -> None:
+        self.world, self.device, self.optimizers = world, device, optimizers
+        self.host: int | float = 0  # the counts given as Python numbers
+        self.dev: torch.Tensor | None = None  # the counts given as tensors
+        self.start = 0  # the window's first batch index
+        self.plain_at = -1  # the last batch that returned a plain loss (set by the loop)
+        self.open = False  # this window has a count
+        self.work: Any = None  # the all-reduce in flight
+        self.total: Any = None
+
+    def add(self, output: dict[str, Any], batch_idx: int, accumulate: int, boundary: bool) -> torch.Tensor:
+        """Count ``output["num_items"]``; the loss to backpropagate (``output["loss"]`` itself)."""
+        loss, n = output.get("loss"), output["num_items"]
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"training_step returned a dict with 'num_items' and loss={_short(loss)}; return "
+                "{'loss': loss_sum, 'num_items': n}: the loss tensor summed (not averaged) over the n items"
+            )
+        if not self.open:
+            self.open, self.start = True, batch_idx - batch_idx % accumulate
+        if type(n) is int or type(n) is float:
+            if not (n >= 0 and math.isfinite(n)):
+                raise ValueError(f"training_step returned num_items={n!r}; it must be a finite number >= 0")
+            self.host += n
+        elif isinstance(n, torch.Tensor) and n.ndim == 0 and not (n.dtype == torch.bool or n.is_complex()):
+            n = n.detach()
+            self.dev = n if self.dev is None else self.dev + n
+        else:
+            raise TypeError(
+                f"training_step returned num_items={_short(n)}; it must be an int, a float or a 0-d tensor "
+                "(the number of items loss sums over, such as non-padding tokens: mask.sum())"
+            )
+        if boundary and self.world > 1:  # the last forward of the window: start the count's all-reduce
+            self._launch()
+        return loss
+
+    def _launch(self) -> None:
+        import torch.distributed as dist
+
+        total = self._local_total()
+        if not isinstance(total, torch.Tensor):  # a fill kernel, not a host-to-device copy
+            total = torch.full((), total, device=self.device)
+        elif total.device != self.device:
+            total = total.to(self.device)
+        elif total is self.dev:  # may be the tensor training_step returned: reduce a copy
+            total = total.clone()
+        self.total = total
+        self.work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
+
+    def _local_total(self) -> torch.Tensor | int | float:
+        if self.dev is None:
+            return self.host
+        return self.dev + self.host if self.host else self.dev
+
+    def finish(self, batch_idx: int) -> None:
+        """At the window's end, after its last backward: scale the gradients by ``world / total``."""
+        if self.plain_at >= self.start:
+            raise TypeError(
+                f"training_step returned a dict with 'num_items' for some batches of the accumulation window "
+                f"{self.start}..{batch_idx} and a plain loss for others; return num_items from every "
+                "training_step or from none (on every process)"
+            )
+        if self.world > 1:
+            if self.work is None:  # the window's last batch returned None: nothing launched yet
+                self._launch()
+            self.work.wait()
+            scale: torch.Tensor | float = torch.nan_to_num(self.world / self.total, posinf=0.0)
+        else:
+            total = self._local_total()
+            if isinstance(total, torch.Tensor):
+                scale = torch.nan_to_num(1 / total, posinf=0.0)
+            else:
+                scale = 1 / total if total else 0.0
+        self.host, self.dev, self.open, self.work, self.total = 0, None, False, None, None
+        grads = [p.grad for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        devices = {g.device for g in grads}
+        if len(devices) == 1:
+            torch._foreach_mul_(grads, _on(scale, devices.pop()))
+            return
+        for device in devices:
+            torch._foreach_mul_([g for g in grads if g.device == device], _on(scale, device))
+
+
+def _on(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor | float:
+    """``scale`` usable with tensors on ``device`` (a 0-d CPU tensor works with any device)."""
+    if isinstance(scale, torch.Tensor) and scale.device != device and scale.device.type != "cpu":
+        return scale.to(device)
+    return scale
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return f"{text[:60]}... ({type(value).__name__})" if len(text) > 60 else f"{text} ({type(value).__name__})"
+
+
 def _manual_batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     """``one_batch`` under manual optimization (``automatic_optimization = False``):
     ``training_step`` runs the backward passes and optimizer steps itself; each batch counts as
@@ -311,17 +442,15 @@ def _manual_batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     prepared = tr._prepared_module
     assert prepared is not None
     state, rig = tr.fit_state, tr.rig
-    step_caller = prepared.step_caller(prepared._rig_module.training_step)
+    # As the wrapped module's forward (DDP), or not (FSDP2): see Strategy.manual_step_caller.
+    step_caller = rig.strategy.manual_step_caller(prepared, prepared._rig_module.training_step)
     training_step = _without_autocast_cache(step_caller) if rig.precision.is_mixed else step_caller
     log_step = _log_step
     if tr.profiler is not None:  # the step's backward passes and optimizer steps count in training_step
         training_step, log_step = tr.profiler.wrap(STEP, training_step), tr.profiler.wrap(LOGGING, log_step)
 
     def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
-        # The strategy's wrapper sees the step as one forward, whose end would arm the gradient
-        # sync for a backward that never comes: its sync stays off, manual_backward arms each one.
-        with rig.no_backward_sync(prepared):
-            output = training_step(batch, batch_idx)
+        output = training_step(batch, batch_idx)
         state.global_step += 1
         if state.global_step % tr.log_every_n_steps == 0:
             log_step(tr)
@@ -369,12 +498,6 @@ def check_manual_optimization(tr: Trainer) -> None:
             f"Trainer(gradient_clip_val={tr.gradient_clip_val}) clips at the Trainer's own optimizer steps, but "
             f"{name} sets automatic_optimization = False: call self.clip_gradients(optimizer, "
             "gradient_clip_val=...) in training_step before optimizer.step()"
-        )
-    if not tr.rig.strategy.manual_backward_supported:
-        raise ValueError(
-            f"{name} sets automatic_optimization = False, which strategy={tr.rig.strategy!r} does not support "
-            "(a backward inside training_step would not reach the sharded gradients); use strategy='ddp', "
-            "or automatic optimization"
         )
 
 

@@ -252,9 +252,18 @@ class TrainingModule(nn.Module):
         """
         trainer = self.trainer
         skipping = trainer._skip_backward_sync
+        prepared = trainer._prepared_module
+        # The strategy's own switch too (FSDP2 reduce-scatters at the end of each backward unless
+        # told not to); an outer block already holds it.
+        no_sync = (
+            trainer.rig.no_backward_sync(prepared, enabled)
+            if prepared is not None and not skipping
+            else contextlib.nullcontext()
+        )
         trainer._skip_backward_sync = skipping or enabled
         try:
-            yield
+            with no_sync:
+                yield
         finally:
             trainer._skip_backward_sync = skipping
 
