@@ -73,6 +73,8 @@ class Accelerator:
         precision_plugin: str | int | Precision | None = None,
         training_type_plugin: str | Strategy | None = None,
     ) -> None:
+        if precision is None and strategy is None and precision_plugin is None and training_type_plugin is None:
+            return  # carries nothing: the class attributes say None
         from torchrig.resolve import carried_choice  # resolve imports this module
 
         owner = type(self).__name__
