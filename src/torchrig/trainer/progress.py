@@ -251,6 +251,8 @@ class ProgressBar(Callback):
     def _train_metrics(self, trainer: Trainer) -> dict[str, float]:
         values: dict[str, Any] = {}
         loss = self._loss.get("loss") if isinstance(self._loss, dict) else self._loss
+        if isinstance(loss, torch.Tensor) and isinstance(self._loss, dict) and "num_items" in self._loss:
+            loss = loss.detach() / self._loss["num_items"]  # a token-weighted step: the mean per item
         if isinstance(loss, (torch.Tensor, float, int)):
             values["loss"] = loss
         values.update(getattr(trainer, "progress_bar_metrics", None) or {})
