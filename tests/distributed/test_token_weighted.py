@@ -192,18 +192,21 @@ def test_a_step_without_items_leaves_zero_gradients() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("clip", [False, True])
-def test_two_ddp_processes_accumulating_two_micro_batches_each_step_like_one_batch(tmp_path: Path, clip: bool) -> None:
+@pytest.mark.parametrize(("strategy", "clip"), [("ddp", False), ("ddp", True), ("fsdp", True)])
+def test_two_processes_accumulating_two_micro_batches_each_step_like_one_batch(
+    tmp_path: Path, strategy: str, clip: bool
+) -> None:
     # 2 gloo processes x 2 micro-batches = the 4 micro-batches (8 sequences) of one step, twice.
+    # DDP and FSDP2 both average the gradients over the processes (FSDP's are DTensor shards).
     ref, norms = tw.reference([ALL, ALL])
     threshold = norms[0] / 4 if clip else None
     if clip:
         ref, _ = tw.reference([ALL, ALL], clip=threshold)
     out = tmp_path / "w.pt"
-    args = [str(SCRIPTS / "token_weighted.py"), "--out", str(out), "--devices", "2", "--strategy", "ddp"]
+    args = [str(SCRIPTS / "token_weighted.py"), "--out", str(out), "--devices", "2", "--strategy", strategy]
     args += ["--accumulate", "2", "--max-steps", "2"] + (["--clip", repr(threshold)] if clip else [])
     proc = run(args, timeout=110)
     assert proc.returncode == 0, explain(proc)
     weights, info = result(out)
-    assert info == {"world_size": 2, "strategy": "DDPStrategy"}
+    assert info == {"world_size": 2, "strategy": {"ddp": "DDPStrategy", "fsdp": "FSDPStrategy"}[strategy]}
     assert_close(weights, ref)

@@ -105,7 +105,10 @@ def fit(
     settings.update(trainer)
     tr = torchrig.Trainer(accumulate_grad_batches=accumulate, max_steps=max_steps, gradient_clip_val=clip, **settings)
     tr.fit(module, loader())
-    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}, tr
+    if tr.world_size == 1:
+        return {k: v.detach().clone() for k, v in module.net.state_dict().items()}, tr
+    full = tr.rig.strategy.module_state_dict(tr._prepared_module)  # FSDP: gathered to rank 0
+    return {k.removeprefix("net."): v.detach().clone() for k, v in full.items()}, tr
 
 
 def reference(steps: list[list[int]], clip: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
