@@ -35,26 +35,26 @@ class ListLogger(Logger):
 
 
 class TwoLinear(torchrig.TrainingModule):
-    """Two bias-free Linear layers; ``num_items`` (when set) returns ``{"loss", "num_items"}``
-    with ``batch_idx + 1`` items (a tensor, or an int with ``items_as_int``)."""
+    """Two bias-free Linear layers; with ``items`` ("tensor", "int" or "float") the step returns
+    the token-weighted ``{"loss": loss_sum, "num_items": batch_idx + 1}`` (+ 0.5 for "float")."""
 
-    def __init__(self, num_items: bool = False, items_as_int: bool = False) -> None:
+    def __init__(self, items: str | None = None) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(IN, HIDDEN, bias=False), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT, bias=False)
         )
-        self.num_items, self.items_as_int = num_items, items_as_int
+        self.items = items
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
-        loss = torch.nn.functional.mse_loss(self(x), y)
-        if not self.num_items:
-            return loss
-        n = batch_idx + 1
-        return {"loss": loss, "num_items": n if self.items_as_int else torch.tensor(n)}
+        if self.items is None:
+            return torch.nn.functional.mse_loss(self(x), y)
+        loss_sum = torch.nn.functional.mse_loss(self(x), y, reduction="sum")
+        n = {"tensor": torch.tensor(batch_idx + 1), "int": batch_idx + 1, "float": batch_idx + 1.5}[self.items]
+        return {"loss": loss_sum, "num_items": n}
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -142,16 +142,18 @@ def test_trainer_logs_samples_tflops_and_mfu_with_a_given_peak(tmp_path: Path, o
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("items_as_int", [False, True], ids=["tensor", "int"])
+@pytest.mark.parametrize("items", ["tensor", "int", "float"])
 def test_items_per_second_from_num_items_in_the_step_output(
-    tmp_path: Path, one_second_windows: None, items_as_int: bool
+    tmp_path: Path, one_second_windows: None, items: str
 ) -> None:
     monitor = ThroughputMonitor(flops_per_batch=1e6, peak_flops=1e12)
-    logger = _fit(tmp_path, monitor, TwoLinear(num_items=True, items_as_int=items_as_int), batches=5)
+    logger = _fit(tmp_path, monitor, TwoLinear(items=items), batches=5)
     rows = logger.rows_with("throughput/items_per_sec")
     # batch_idx + 1 items per batch; batch 0 uncounted: step 2 has batch 1 (2), step 4 batches 2, 3 (3 + 4).
-    assert {s: r["throughput/items_per_sec"] for s, r in rows.items()} == {2: 2.0, 4: 7.0}
-    assert {s: r["throughput/items_per_sec_per_device"] for s, r in rows.items()} == {2: 2.0, 4: 7.0}
+    half = 0.5 if items == "float" else 0.0
+    expected = {2: 2.0 + half, 4: 7.0 + 2 * half}
+    assert {s: r["throughput/items_per_sec"] for s, r in rows.items()} == expected
+    assert {s: r["throughput/items_per_sec_per_device"] for s, r in rows.items()} == expected
     assert monitor.flops == 1e6  # given: not counted
     assert rows[4]["throughput/tflops_per_device"] == pytest.approx(2 * 1e6 / 1e12, rel=1e-12)
     assert rows[4]["throughput/mfu"] == pytest.approx(2 * 1e6 / 1e12, rel=1e-12)

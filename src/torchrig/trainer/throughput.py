@@ -29,8 +29,8 @@ How it measures, and what each number means:
   bf16 one whatever the precision of the run, as MFU is usually quoted.
 * **Samples** per batch are the length of the first tensor found in the batch (its first
   dimension, host metadata: no sync). **Items** (tokens, say) are counted when
-  ``training_step`` returns a dict with ``"num_items"`` (an int or a tensor; a tensor is summed
-  on the device and read once per logging step).
+  ``training_step`` returns ``{"loss": loss_sum, "num_items": n}`` (the Trainer's token-weighted
+  form; ``n`` a number or a tensor, a tensor summed on the device and read once per logging step).
 * **Under data parallelism** every rank trains a batch of the same size, so the global samples/s
   is this rank's times the world size; ``.../samples_per_sec_per_device`` is this rank's. Item
   counts differ between ranks (padding), so the global items/s sums them across ranks: one
@@ -259,11 +259,13 @@ class ThroughputMonitor(Callback):
                 values["throughput/samples_per_sec_per_device"] = self._samples / seconds
             if self._items is not None:
                 items = self._items
-                local = int(items.item() if isinstance(items, torch.Tensor) else items)
+                local = float(items.item() if isinstance(items, torch.Tensor) else items)
                 total = local
                 if world > 1:
-                    count = torch.tensor(local, dtype=torch.int64, device=trainer.rig.device)
-                    total = int(trainer.rig.all_reduce(count, op="sum").item())
+                    device = trainer.rig.device
+                    dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+                    count = torch.tensor(local, dtype=dtype, device=device)
+                    total = float(trainer.rig.all_reduce(count, op="sum").item())
                 values["throughput/items_per_sec"] = total / seconds
                 values["throughput/items_per_sec_per_device"] = local / seconds
             flops = self.flops
