@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from torchrig.accelerators import ACCELERATOR_REGISTRY, Accelerator, ensure_registered
-from torchrig.precision import PRECISIONS, Precision, normalize_precision
+from torchrig.fp8 import FP8_PRECISION, FP8Mixed
+from torchrig.precision import NAMES, Precision, normalize_precision
 from torchrig.strategies import STRATEGY_REGISTRY, Strategy
 
 #: Environment variables that ``torchrig run`` sets and ``Rig()``/``Trainer()`` read as defaults.
@@ -156,15 +157,15 @@ def resolve_precision(precision: Any, device_type: str) -> Precision:
 # accelerator carries when their own argument is not given; two different values are an error.
 
 
-def _checked(kind: str, value: Any, arg: str) -> str | Precision | Strategy:
+def _checked(kind: str, value: Any, arg: str) -> Any:
     """``value`` for ``kind`` ("precision" or "strategy") in canonical form; ``arg`` names it in errors."""
     if kind == "precision":
-        if isinstance(value, Precision):
+        if isinstance(value, (Precision, FP8Mixed)):
             return value
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise TypeError(
-                f"{arg}={value!r} must be a precision name ({', '.join(PRECISIONS)}, auto) "
-                "or a torchrig.Precision"
+                f"{arg}={value!r} must be a precision name ({', '.join(NAMES)}, auto), "
+                "a torchrig.Precision or a torchrig.FP8Mixed"
             )
         try:
             return normalize_precision(value)
@@ -182,25 +183,38 @@ def _checked(kind: str, value: Any, arg: str) -> str | Precision | Strategy:
     return name
 
 
-def _agree(a: Any, b: Any) -> bool:
+def _precision_key(precision: Any) -> tuple[str, FP8Mixed | None]:
+    """What a checked precision asks for: its name, and for fp8-mixed which layers it converts and how."""
+    if isinstance(precision, Precision):
+        return precision.name, precision.fp8
+    if isinstance(precision, FP8Mixed):
+        return FP8_PRECISION, precision
+    return precision, (FP8Mixed() if precision == FP8_PRECISION else None)
+
+
+def _agree(kind: str, a: Any, b: Any) -> bool:
     """Whether two checked precisions, or two checked strategies, ask for the same thing.
 
-    Precisions agree when their names do. Two strategy names agree when equal; a name and a
-    Strategy when the name builds that class with the same settings (its repr); two different
-    Strategy objects never do (which one would be used?).
+    Precisions agree when their names do (and, for fp8-mixed, their FP8Mixed settings). Two
+    strategy names agree when equal; a name and a Strategy when the name builds that class with
+    the same settings (its repr); two different Strategy objects never do (which would be used?).
     """
     if a is b:
         return True
-    if isinstance(a, (Precision, Strategy)) and isinstance(b, str):
+    if kind == "precision":
+        return _precision_key(a) == _precision_key(b)
+    if isinstance(a, Strategy) and isinstance(b, str):
         a, b = b, a
-    if isinstance(b, Precision) or isinstance(a, Precision):
-        return getattr(a, "name", a) == getattr(b, "name", b)
     if isinstance(a, str) and isinstance(b, str):
         return a == b
     if isinstance(a, str) and isinstance(b, Strategy) and a != "auto":
         built = STRATEGY_REGISTRY.get(a)
         return type(built) is type(b) and repr(built) == repr(b)
     return False
+
+
+#: What a carried or given choice may be besides a name; an object is kept rather than rebuilt.
+_OBJECTS = (Precision, FP8Mixed, Strategy)
 
 
 def carried_choice(owner: str, kind: str, value: Any, alias: str, alias_value: Any) -> Any:
@@ -215,12 +229,12 @@ def carried_choice(owner: str, kind: str, value: Any, alias: str, alias_value: A
     b = None if alias_value is None else _checked(kind, alias_value, alias)
     if a is None or b is None:
         return a if b is None else b
-    if not _agree(a, b):
+    if not _agree(kind, a, b):
         raise ValueError(
             f"{owner} got {kind}={value!r} and {alias}={alias_value!r}, which disagree; "
             f"{alias}= is another name for {kind}=, so give only one of them"
         )
-    return b if isinstance(b, (Precision, Strategy)) else a
+    return b if isinstance(b, _OBJECTS) else a
 
 
 def with_carried(kind: str, given: Any, acc: Accelerator) -> Any:
@@ -237,8 +251,8 @@ def with_carried(kind: str, given: Any, acc: Accelerator) -> Any:
     carried = _checked(kind, carried, f"{type(acc).__name__}.{kind}")
     if given is None:
         return carried
-    if _agree(_checked(kind, given, kind), carried):
-        return carried if isinstance(carried, (Precision, Strategy)) else given
+    if _agree(kind, _checked(kind, given, kind), carried):
+        return carried if isinstance(carried, _OBJECTS) else given
     both_objects = isinstance(given, Strategy) and isinstance(carried, Strategy)
     raise ValueError(
         f"{kind}={given!r} was given, but the accelerator {acc.name()!r} carries {kind}={carried!r}"

@@ -24,6 +24,7 @@ from torchrig import arguments, speedups
 from torchrig.accelerators import Accelerator
 from torchrig.collections import move_to_device
 from torchrig.data import RigDataLoader, rebuild_with_sampler
+from torchrig.fp8 import FP8Mixed
 from torchrig.precision import Precision
 from torchrig.preemption import SignalsLike, SignalWatch, resolve_signals
 from torchrig.resolve import Plan, resolve
@@ -46,7 +47,8 @@ class Rig:
         strategy: ``"auto"``, ``"single"``, ``"ddp"``, ``"ddp_spawn"``, ``"fsdp"``..., or a
             :class:`~torchrig.Strategy` instance.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
-            ``"16-true"``, ``"64-true"``, ``"auto"``, or a :class:`~torchrig.precision.Precision`.
+            ``"16-true"``, ``"64-true"``, ``"auto"``, a :class:`~torchrig.precision.Precision`, or
+            a :class:`~torchrig.FP8Mixed`.
         num_nodes: how many machines take part.
         timeout: how long a collective waits for the other ranks before it fails (seconds or a
             ``timedelta``; default: the strategy's, 10 minutes). It is the process group's timeout,
@@ -80,7 +82,7 @@ class Rig:
         accelerator: str | Accelerator | None = None,
         devices: int | str | list[int] | None = None,
         strategy: str | Strategy | None = None,
-        precision: str | int | Precision | None = None,
+        precision: str | int | Precision | FP8Mixed | None = None,
         num_nodes: int | None = None,
         timeout: float | timedelta | None = None,
         compile: bool | str | dict[str, Any] | None = None,

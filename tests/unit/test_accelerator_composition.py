@@ -22,6 +22,7 @@ from torchrig import (
     Accelerator,
     CPUAccelerator,
     DDPStrategy,
+    FP8Mixed,
     Precision,
     Rig,
     SingleDeviceStrategy,
@@ -232,6 +233,22 @@ def test_a_pair_that_agrees_is_fine_and_keeps_the_object() -> None:
     assert CPUAccelerator(strategy="ddp_spawn", training_type_plugin=spawn).strategy is spawn
 
 
+def test_fp8_settings_are_part_of_the_precision() -> None:
+    # FP8Mixed() is what "fp8-mixed" builds; one with its own layer filter asks for something else
+    default = FP8Mixed()
+    assert CPUAccelerator(precision="fp8-mixed", precision_plugin=default).precision is default
+    assert CPUAccelerator(precision=FP8Mixed(), precision_plugin=FP8Mixed()).precision == FP8Mixed()
+    picky = FP8Mixed(module_filter_fn=lambda module, fqn: fqn.startswith("blocks."))
+    with pytest.raises(
+        ValueError, match=r"got precision=FP8Mixed\(module_filter_fn=<function .* and precision_plugin='fp8"
+    ):
+        CPUAccelerator(precision=picky, precision_plugin="fp8-mixed")
+    with pytest.raises(
+        ValueError, match="precision='bf16-mixed' was given, but the accelerator 'cpu' carries precision=FP8"
+    ):
+        Rig(accelerator=CPUAccelerator(precision=picky), precision="bf16-mixed")
+
+
 # -- bad input -------------------------------------------------------------------------------
 def test_bad_carried_values_are_clear_errors() -> None:
     with pytest.raises(ValueError, match=r"unknown precision='bf17'.*Did you mean 'bf16'"):
@@ -240,7 +257,7 @@ def test_bad_carried_values_are_clear_errors() -> None:
         CPUAccelerator(precision_plugin="bf17")
     with pytest.raises(ValueError, match=r"strategy='dpp': unknown strategy 'dpp'; known: ddp.*Did you mean 'ddp'"):
         CPUAccelerator(strategy="dpp")
-    with pytest.raises(TypeError, match=r"precision=1.5 must be a precision name \(32-true.*or a torchrig.Precision"):
+    with pytest.raises(TypeError, match=r"precision=1.5 must be a precision name \(32-true.*a torchrig.Precision or a"):
         CPUAccelerator(precision=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"training_type_plugin=3 must be a strategy name \(ddp.*or a Strategy"):
         CPUAccelerator(training_type_plugin=3)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 if TYPE_CHECKING:
+    from torchrig.fp8 import FP8Mixed
     from torchrig.precision import Precision
     from torchrig.strategies.base import Strategy
 
@@ -48,7 +49,8 @@ class Accelerator:
         'bf16-mixed'
 
     Args:
-        precision: a precision name (as ``Rig(precision=)`` takes) or a :class:`~torchrig.precision.Precision`.
+        precision: a precision name (as ``Rig(precision=)`` takes), a :class:`~torchrig.precision.Precision`
+            or a :class:`~torchrig.FP8Mixed`.
         strategy: a strategy name (as ``Rig(strategy=)`` takes) or a :class:`~torchrig.Strategy`.
         precision_plugin: another name for ``precision`` (the one the Accelerator documents use).
         training_type_plugin: another name for ``strategy`` (the one the Accelerator documents use).
@@ -60,17 +62,17 @@ class Accelerator:
     device_type: ClassVar[str] = "cpu"
     #: The name this instance was built under by the registry (set by ``ACCELERATOR_REGISTRY.get``).
     _registry_name: str | None = None
-    #: The precision this accelerator carries: a canonical name, a Precision, or None (none).
-    precision: str | Precision | None = None
+    #: The precision this accelerator carries: a canonical name, a Precision, an FP8Mixed, or None.
+    precision: str | Precision | FP8Mixed | None = None
     #: The strategy this accelerator carries: a lower-case name, a Strategy, or None (none).
     strategy: str | Strategy | None = None
 
     def __init__(
         self,
         *,
-        precision: str | int | Precision | None = None,
+        precision: str | int | Precision | FP8Mixed | None = None,
         strategy: str | Strategy | None = None,
-        precision_plugin: str | int | Precision | None = None,
+        precision_plugin: str | int | Precision | FP8Mixed | None = None,
         training_type_plugin: str | Strategy | None = None,
     ) -> None:
         if precision is None and strategy is None and precision_plugin is None and training_type_plugin is None:
@@ -82,7 +84,7 @@ class Accelerator:
         self.strategy = carried_choice(owner, "strategy", strategy, "training_type_plugin", training_type_plugin)
 
     @property
-    def precision_plugin(self) -> str | Precision | None:
+    def precision_plugin(self) -> str | Precision | FP8Mixed | None:
         """The carried precision, under the name the Accelerator documents use."""
         return self.precision
 

@@ -17,6 +17,7 @@ from torchrig.accelerators.base import Accelerator
 from torchrig.devices import select_indices
 
 if TYPE_CHECKING:
+    from torchrig.fp8 import FP8Mixed
     from torchrig.precision import Precision
     from torchrig.strategies.base import Strategy
 
@@ -58,9 +59,9 @@ class TorchDeviceAccelerator(Accelerator):
         self,
         *,
         device_type: str,
-        precision: str | int | Precision | None = None,
+        precision: str | int | Precision | FP8Mixed | None = None,
         strategy: str | Strategy | None = None,
-        precision_plugin: str | int | Precision | None = None,
+        precision_plugin: str | int | Precision | FP8Mixed | None = None,
         training_type_plugin: str | Strategy | None = None,
     ) -> None:
         super().__init__(
