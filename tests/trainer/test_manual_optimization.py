@@ -486,8 +486,17 @@ _, on_ddp, on_fsdp = twins(lambda: Manual(accumulate=2, clip=0.5))
 _, ddp = fit(on_ddp, "ddp", loader(32, batch_size=2, shuffle=True))
 trainer, fsdp = fit(on_fsdp, "fsdp", loader(32, batch_size=2, shuffle=True))
 clipped = [float(n) for n in on_fsdp.norms]
+
+# The same under tensor parallelism (ModelParallelStrategy, an FSDPStrategy): both ranks see each
+# batch of 4, as the two DDP ranks see its halves (without shuffling, rank r takes samples r::2).
+_, in_order, on_tp = twins(lambda: Manual(accumulate=2, clip=0.5))
+_, ddp_in_order = fit(in_order, "ddp", loader(32, batch_size=2))
+tp_plan = {"net.0": "colwise", "net.3": "rowwise"}
+_, tp = fit(on_tp, torchrig.ModelParallelStrategy(tensor_parallel=2, tp_plan=tp_plan), loader(32, batch_size=4))
 sys.stdout.write(json.dumps({  # one write: the ranks share the output
     "rank": trainer.global_rank, "gan": gan_row, "accumulated": largest(fsdp, ddp), "steps": trainer.global_step,
+    "tensor_parallel": largest(tp, ddp_in_order),
+    "tp_sharded": isinstance(on_tp.net[0].weight, DTensor),
     "norms": len(clipped),
     "norms_close": torch.allclose(torch.tensor(clipped), torch.tensor([float(n) for n in on_ddp.norms]), atol=1e-6),
 }) + "\n")
@@ -499,7 +508,7 @@ sys.stdout.write(json.dumps({  # one write: the ranks share the output
 def test_manual_optimization_on_two_fsdp_processes_equals_ddp(tmp_path: Path) -> None:
     """FSDP2 runs a manual step like DDP: the same global data gives the same weights (allclose),
     for the GAN (two optimizers, each network its own FSDP unit) and for accumulation over
-    no_backward_sync with clipping (the root's shard)."""
+    no_backward_sync with clipping (the root's shard); so does tensor parallelism."""
     script = tmp_path / "run.py"
     script.write_text(FSDP_SCRIPT)
     env = subprocess_env()
@@ -523,3 +532,4 @@ def test_manual_optimization_on_two_fsdp_processes_equals_ddp(tmp_path: Path) ->
         assert gan["fsdp_vs_ddp"] < 1e-6, gan
         assert row["steps"] == 8 and row["accumulated"] < 1e-6, row
         assert row["norms"] == 4 and row["norms_close"]  # clip_gradients' total norm, one per optimizer step
+        assert row["tp_sharded"] and row["tensor_parallel"] < 1e-6, row
