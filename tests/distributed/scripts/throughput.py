@@ -1,10 +1,11 @@
 """ThroughputMonitor under data parallelism: every rank writes what the monitor logged.
 
-    python throughput.py --out values --devices 2 --strategy ddp
+    python throughput.py --out values --devices 2 --strategy ddp [--count]
 
 Each training batch advances a fake clock one second (so each logging window's length is known),
 rank ``r`` returns ``num_items = (r + 1) * (batch_idx + 1)``; batches of 4 samples, logging every
-2 steps, 5 batches per rank. Rank ``r`` writes ``<out>.rank<r>.json``: ``{step: values}``.
+2 steps, 5 batches per rank. Rank ``r`` writes ``<out>.rank<r>.json``: ``{"rows": {step: values},
+"flops": the monitor's FLOPs per batch}`` (given, 1e6, or with ``--count`` counted on the first batch).
 """
 
 from __future__ import annotations
@@ -57,17 +58,19 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--count", action="store_true", help="count the FLOPs (else given: 1e6)")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(40, 3, generator=g), torch.randn(40, 1, generator=g))
     rows = Rows()
+    monitor = throughput.ThroughputMonitor(flops_per_batch=None if args.count else 1e6, peak_flops=1e12)
     trainer = torchrig.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=args.strategy,
         max_epochs=1,
         logger=rows,
-        callbacks=[throughput.ThroughputMonitor(flops_per_batch=1e6, peak_flops=1e12)],
+        callbacks=[monitor],
         log_every_n_steps=2,
         enable_progress_bar=False,
         enable_checkpointing=False,
@@ -75,7 +78,9 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     trainer.fit(Module(), DataLoader(data, batch_size=4))
-    Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(rows.rows))
+    Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(
+        json.dumps({"rows": rows.rows, "flops": monitor.flops})
+    )
 
 
 if __name__ == "__main__":
