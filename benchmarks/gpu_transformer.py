@@ -12,13 +12,14 @@ runs it the same way: bf16-mixed (FSDP2's ``MixedPrecisionPolicy`` computing in 
 in fp32, under bf16 autocast, as ``precision="bf16-mixed"`` does), the whole model compiled
 (``compile=True``: ``module.compile()``), each block sharded on its own and then the root
 (``fully_shard``), AdamW, batches from a ``DataLoader`` over the same token tensor. The three are
-built once (three models and optimizers live at once: about 17 GB each at 1B on one GPU, less
-per GPU when sharded) and warmed up (compilation), then take turns: the Trainer fits all the
+built once (three models and optimizers live at once: 12 bytes a parameter each between steps,
+about 13 GB at 1B on one GPU, less per GPU when sharded; ``--batch`` sets the activations' share)
+and warmed up (compilation), then take turns: the Trainer fits all the
 rounds in one ``fit``, and a callback at the end of each of its rounds runs a round of the
 hand-written loop and of the Rig loop (in alternating order). A round is ``--steps`` optimizer
 steps between two ``torch.cuda.synchronize()``; tokens/s counts every GPU's tokens (global).
-The table shows the median over rounds, the median of the per-round ratios to the hand-written
-loop (with a 95% interval from 6 rounds on), and MFU: FLOPs per step (counted once on a
+The table shows the median over rounds, the median of the per-round ratios of tokens/s to the
+hand-written loop's (above 1.0: faster; a 95% interval from 6 rounds on), and MFU: FLOPs per step (counted once on a
 ``meta``-device copy with ``torchrig.trainer.throughput.measure_flops``) x steps / seconds / the
 device's bf16 dense peak (``PEAK_TFLOPS``; none on other devices). The Trainer also runs a
 ``ThroughputMonitor`` (given the same FLOPs), whose own last MFU is printed under the table.
