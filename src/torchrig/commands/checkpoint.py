@@ -1,7 +1,10 @@
-"""``torchrig checkpoint inspect PATH`` and ``torchrig checkpoint consolidate PATH OUT``.
+"""``torchrig checkpoint inspect PATH``, ``torchrig checkpoint consolidate PATH OUT`` and
+``torchrig checkpoint import PATH OUT``.
 
 ``inspect`` verifies every file against its SHA-256 and prints what the checkpoint holds;
-``consolidate`` writes the model weights (sharded or not) as one ``.safetensors`` file.
+``consolidate`` writes the model weights (sharded or not) as one ``.safetensors`` file;
+``import`` converts a Lightning ``.ckpt`` or an Accelerate ``save_state`` directory into a
+torchrig checkpoint (:mod:`torchrig.checkpoint.peers`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from typing import Any
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "checkpoint",
-        help="inspect a checkpoint or consolidate one into a single safetensors file",
+        help="inspect a checkpoint, consolidate one into a single safetensors file, or import a Lightning or "
+        "Accelerate checkpoint",
         description="Look into torchrig checkpoints (directories written by rig.save).",
     )
     cmds = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
@@ -23,6 +27,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     con = cmds.add_parser("consolidate", help="write the model weights as one .safetensors file")
     con.add_argument("path", help="the checkpoint directory (sharded or not)")
     con.add_argument("out", help="the .safetensors file to write")
+    imp = cmds.add_parser(
+        "import",
+        help="convert a Lightning .ckpt or an Accelerate save_state directory into a torchrig checkpoint",
+        description="Write a Lightning .ckpt file or a directory Accelerate's save_state wrote as a torchrig "
+        "checkpoint that rig.load and Trainer(ckpt_path=OUT) resume from. Nothing in the files runs: a file that "
+        "needs code to unpickle is refused with the Python objects it names.",
+    )
+    imp.add_argument("path", help="a Lightning .ckpt file, or the directory Accelerate's save_state wrote")
+    imp.add_argument("out", help="the torchrig checkpoint directory to write (an existing one is replaced)")
+    imp.add_argument(
+        "--strip-prefix",
+        metavar="PREFIX",
+        help="keep only the module keys that start with PREFIX, without it ('model.': Lightning's 'model.weight' "
+        "becomes 'weight', for a plain module)",
+    )
+    imp.add_argument("--add-prefix", metavar="PREFIX", help="put PREFIX before every module key (after --strip-prefix)")
+    imp.add_argument(
+        "--optimizer",
+        metavar="CLASS",
+        action="append",
+        default=[],
+        help="the class of each optimizer, in order (e.g. torch.optim.AdamW); default: inferred from its fields",
+    )
+    imp.add_argument(
+        "--scheduler",
+        metavar="CLASS",
+        action="append",
+        default=[],
+        help="the class of each LR scheduler, in order (e.g. torch.optim.lr_scheduler.StepLR); default: inferred",
+    )
+    imp.add_argument(
+        "--seed", type=int, default=0, help="the RNG state to write when the source has none (Lightning): seed N's"
+    )
     p.set_defaults(handler=main, checkpoint_parser=p)
 
 
@@ -34,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
         args.checkpoint_parser.print_help()
         return 2
     try:
-        return _inspect(args) if action == "inspect" else _consolidate(args)
+        return {"inspect": _inspect, "consolidate": _consolidate, "import": _import}[action](args)
     except (CheckpointError, OSError, ValueError) as err:  # a bad checkpoint is a message, never a traceback
         from rich.console import Console
         from rich.markup import escape
@@ -48,6 +85,28 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     out = consolidate(args.path, args.out)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from torchrig.checkpoint.peers import import_checkpoint
+
+    done = import_checkpoint(
+        args.path,
+        args.out,
+        strip_prefix=args.strip_prefix,
+        add_prefix=args.add_prefix,
+        optimizers=args.optimizer,
+        schedulers=args.scheduler,
+        seed=args.seed,
+    )
+    print(f"imported {done.source} checkpoint {args.path}")
+    for line in done.lines:
+        print(f"  {line}")
+    for line in done.warnings:
+        print(f"warning: {line}")
+    size = sum(p.stat().st_size for p in done.path.iterdir())
+    print(f"wrote {done.path} ({_size(size)})")
     return 0
 
 
