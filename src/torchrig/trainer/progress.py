@@ -69,7 +69,7 @@ class ProgressBar(Callback):
         self._train_task = self._eval_task = TaskID(0)
         self._train = _Counter()
         self._eval = _Counter()
-        self._last_draw = 0.0
+        self._last_draw = -math.inf  # the first draw is due at once (perf_counter counts from boot)
         self._loss: Any = None
         self._metrics_text = ""  # the training bar's metrics as last drawn
         self._logged_before: dict[str, Any] = {}
