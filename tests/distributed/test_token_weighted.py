@@ -190,23 +190,45 @@ def test_a_step_without_items_leaves_zero_gradients() -> None:
         assert a.grad is None  # zeroed after the step; and no NaN reached the weights
 
 
+def test_the_rig_recipe_in_one_process_steps_like_one_batch() -> None:
+    weights = tw.rig_fit(torchrig.Rig(accelerator="cpu"), accumulate=4, max_steps=2)
+    ref, _ = tw.reference([ALL, ALL])
+    assert_close(weights, ref)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("strategy", "clip"), [("ddp", False), ("ddp", True), ("fsdp", True)])
+@pytest.mark.parametrize(
+    ("strategy", "clip", "loop"),
+    [
+        ("ddp", False, "trainer"),
+        ("ddp", True, "trainer"),
+        ("fsdp", True, "trainer"),
+        ("tp", True, "trainer"),
+        ("ddp", False, "rig"),
+    ],
+)
 def test_two_processes_accumulating_two_micro_batches_each_step_like_one_batch(
-    tmp_path: Path, strategy: str, clip: bool
+    tmp_path: Path, strategy: str, clip: bool, loop: str
 ) -> None:
     # 2 gloo processes x 2 micro-batches = the 4 micro-batches (8 sequences) of one step, twice.
     # DDP and FSDP2 both average the gradients over the processes (FSDP's are DTensor shards).
+    # "tp": 2 tensor-parallel processes that both see all 4 micro-batches (one data-parallel
+    # rank); each returns the count, so the count summed over the processes is twice the tokens.
     ref, norms = tw.reference([ALL, ALL])
     threshold = norms[0] / 4 if clip else None
     if clip:
         ref, _ = tw.reference([ALL, ALL], clip=threshold)
     out = tmp_path / "w.pt"
     args = [str(SCRIPTS / "token_weighted.py"), "--out", str(out), "--devices", "2", "--strategy", strategy]
-    args += ["--accumulate", "2", "--max-steps", "2"] + (["--clip", repr(threshold)] if clip else [])
+    args += ["--accumulate", "4" if strategy == "tp" else "2", "--max-steps", "2", "--loop", loop] + (
+        ["--clip", repr(threshold)] if clip else []
+    )
     proc = run(args, timeout=110)
     assert proc.returncode == 0, explain(proc)
     weights, info = result(out)
-    assert info == {"world_size": 2, "strategy": {"ddp": "DDPStrategy", "fsdp": "FSDPStrategy"}[strategy]}
+    assert info == {
+        "world_size": 2,
+        "strategy": {"ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "tp": "ModelParallelStrategy"}[strategy],
+    }
     assert_close(weights, ref)

@@ -1,6 +1,6 @@
 """Token-weighted gradient accumulation: padded sequences of unequal lengths, a per-token loss.
 
-    python token_weighted.py --out weights.pt --devices 2 --strategy ddp --accumulate 2 [--clip 0.1]
+    python token_weighted.py --out weights.pt --devices 2 --strategy ddp --accumulate 2 [--clip 0.1] [--loop rig]
 
 ``training_step`` returns ``{"loss": loss_sum, "num_items": tokens}``; the Trainer's gradient is
 then the one of a single batch holding every micro-batch of the step (of every process):
@@ -111,6 +111,32 @@ def fit(
     return {k.removeprefix("net."): v.detach().clone() for k, v in full.items()}, tr
 
 
+def rig_fit(rig: torchrig.Rig, *, accumulate: int, max_steps: int) -> dict[str, torch.Tensor]:
+    """The same training written with the Rig, as docs/rig.md's recipe does it."""
+    net = Net()
+    net.load_state_dict(init_state())
+    model, optimizer = rig.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
+    data, steps = rig.prepare(loader()), 0
+    while steps < max_steps:
+        tokens: Any = 0
+        for i, batch in enumerate(data):
+            with rig.no_backward_sync(model, enabled=(i + 1) % accumulate != 0):
+                errors = token_errors(model, batch["x"], batch["y"], batch["mask"])
+                rig.backward(errors.sum())  # the sum, not the mean
+            tokens = tokens + batch["mask"].sum()  # a device tensor: no host sync
+            if (i + 1) % accumulate == 0:
+                total = rig.all_reduce(tokens, op="sum")  # every process's tokens
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, rig.world_size / total)  # DDP/FSDP averaged over the processes
+                optimizer.step()
+                optimizer.zero_grad()
+                tokens, steps = 0, steps + 1
+                if steps == max_steps:
+                    break
+    full = rig.strategy.module_state_dict(model)
+    return {k: v.detach().clone() for k, v in full.items()}
+
+
 def reference(steps: list[list[int]], clip: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain SGD, each step on one batch of the given sequences: sum(loss) / sum(tokens).
     Also the gradient norm of each step (before clipping)."""
@@ -138,18 +164,28 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=2)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--mode", default="tensor")
+    parser.add_argument("--loop", default="trainer", choices=["trainer", "rig"])
     args = parser.parse_args()
-    state, trainer = fit(
-        mode=args.mode,
-        accumulate=args.accumulate,
-        max_steps=args.max_steps,
-        clip=args.clip,
-        devices=args.devices,
-        strategy=args.strategy,
-    )
-    if trainer.is_global_zero:
+    if args.loop == "rig":
+        rig = torchrig.Rig(accelerator="cpu", devices=args.devices, strategy=args.strategy)
+        state = rig_fit(rig, accumulate=args.accumulate, max_steps=args.max_steps)
+    else:
+        strategy: Any = args.strategy
+        if strategy == "tp":  # 2 tensor-parallel processes, 1 data-parallel: both see every batch
+            plan = {"net.body.0": "colwise", "net.head": "rowwise"}
+            strategy = torchrig.ModelParallelStrategy(tensor_parallel=args.devices, tp_plan=plan)
+        state, trainer = fit(
+            mode=args.mode,
+            accumulate=args.accumulate,
+            max_steps=args.max_steps,
+            clip=args.clip,
+            devices=args.devices,
+            strategy=strategy,
+        )
+        rig = trainer.rig
+    if rig.is_global_zero:
         torch.save(state, args.out)
-        info = {"world_size": trainer.world_size, "strategy": type(trainer.rig.strategy).__name__}
+        info = {"world_size": rig.world_size, "strategy": type(rig.strategy).__name__}
         Path(args.out + ".json").write_text(json.dumps(info))
 
 
