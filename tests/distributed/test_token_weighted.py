@@ -190,10 +190,28 @@ def test_a_step_without_items_leaves_zero_gradients() -> None:
         assert a.grad is None  # zeroed after the step; and no NaN reached the weights
 
 
-def test_the_rig_recipe_in_one_process_steps_like_one_batch() -> None:
-    weights = tw.rig_fit(torchrig.Rig(accelerator="cpu"), accumulate=4, max_steps=2)
-    ref, _ = tw.reference([ALL, ALL])
+@pytest.mark.parametrize("clip", [False, True])
+def test_the_rig_recipe_in_one_process_steps_like_one_batch(clip: bool) -> None:
+    threshold = tw.reference([ALL])[1][0] / 4 if clip else None
+    weights = tw.rig_fit(torchrig.Rig(accelerator="cpu"), accumulate=4, max_steps=2, clip=threshold)
+    ref, _ = tw.reference([ALL, ALL], clip=threshold)
     assert_close(weights, ref)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_plain_loss_never_counts_nor_scales(monkeypatch: pytest.MonkeyPatch, accumulate: int) -> None:
+    from torchrig.trainer import loops
+
+    def refuse(*args: Any) -> None:
+        raise AssertionError("a plain loss reached the token-weighted path")
+
+    monkeypatch.setattr(loops.ItemWindow, "add", refuse)
+    monkeypatch.setattr(loops.ItemWindow, "finish", refuse)
+    monkeypatch.setattr(torch.distributed, "all_reduce", refuse)
+    fit_returning(lambda i, loss: loss, accumulate=accumulate, steps=2)
+    fit_returning(lambda i, loss: {"loss": loss}, accumulate=accumulate, steps=2)
+    with pytest.raises(AssertionError, match="token-weighted path"):  # the patch does catch the path
+        fit_returning(lambda i, loss: {"loss": loss, "num_items": 2}, accumulate=accumulate)
 
 
 @pytest.mark.distributed

@@ -111,7 +111,9 @@ def fit(
     return {k.removeprefix("net."): v.detach().clone() for k, v in full.items()}, tr
 
 
-def rig_fit(rig: torchrig.Rig, *, accumulate: int, max_steps: int) -> dict[str, torch.Tensor]:
+def rig_fit(
+    rig: torchrig.Rig, *, accumulate: int, max_steps: int, clip: float | None = None
+) -> dict[str, torch.Tensor]:
     """The same training written with the Rig, as docs/rig.md's recipe does it."""
     net = Net()
     net.load_state_dict(init_state())
@@ -128,6 +130,8 @@ def rig_fit(rig: torchrig.Rig, *, accumulate: int, max_steps: int) -> dict[str, 
                 total = rig.all_reduce(tokens, op="sum")  # every process's tokens
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 torch._foreach_mul_(grads, rig.world_size / total)  # DDP/FSDP averaged over the processes
+                if clip is not None:  # after the scaling
+                    rig.clip_gradients(model, optimizer, max_norm=clip)
                 optimizer.step()
                 optimizer.zero_grad()
                 tokens, steps = 0, steps + 1
