@@ -285,3 +285,16 @@ def test_meta_init_then_fp8() -> None:
     out = prepared(torch.randn(4, 8))
     out.sum().backward()
     assert model.blocks[0].fc1.weight.grad is not None and torch.isfinite(model.blocks[0].fc1.weight.grad).all()
+
+
+@needs_cpu_fp8
+def test_an_accelerator_can_carry_fp8_mixed() -> None:
+    spec = torchrig.FP8Mixed(module_filter_fn=lambda module, fqn: fqn == "blocks.0.fc1")
+    rig = torchrig.Rig(accelerator=torchrig.CPUAccelerator(precision=spec))
+    assert rig.precision.name == "fp8-mixed" and rig.precision.fp8 is spec
+    assert torchrig.Rig(accelerator=torchrig.CPUAccelerator(precision=spec), precision=spec).precision.fp8 is spec
+    # The bare name means the default layers: another choice than this filter's.
+    with pytest.raises(ValueError, match=r"precision=FP8Mixed\(module_filter_fn=.* carries precision='fp8-mixed'"):
+        torchrig.Rig(accelerator=torchrig.CPUAccelerator(precision="fp8-mixed"), precision=spec)
+    with pytest.raises(ValueError, match=r"precision='bf16-mixed' was given, but the accelerator 'cpu' carries"):
+        torchrig.Rig(accelerator=torchrig.CPUAccelerator(precision=spec), precision="bf16-mixed")
