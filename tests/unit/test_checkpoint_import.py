@@ -163,8 +163,18 @@ def peer_data() -> TensorDataset:  # the data make_peer_checkpoints.py trained o
 
 
 @pytest.mark.timeout(90)
-def test_trainer_continues_the_lightning_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_import(capsys, LIGHTNING, tmp_path / "imported")[0] == 0
+@pytest.mark.parametrize(
+    ("name", "first_epoch", "skip"),
+    [
+        ("lightning.ckpt", 2, 0),  # saved at the end of epoch 1 (counted from 0): epoch 2 is next
+        ("lightning_mid.ckpt", 1, 1),  # saved after the 1st batch of epoch 1: its 2nd batch is next
+    ],
+)
+def test_trainer_continues_the_lightning_run(
+    name: str, first_epoch: int, skip: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_import(capsys, PEERS / name, tmp_path / "imported")
+    assert code == 0, err
     trainer = torchrig.Trainer(
         accelerator="cpu",
         max_epochs=3,
@@ -176,25 +186,31 @@ def test_trainer_continues_the_lightning_run(tmp_path: Path, capsys: pytest.Capt
     module = Continued()
     trainer.fit(module, DataLoader(peer_data(), batch_size=4), ckpt_path=tmp_path / "imported")
 
-    # The same epoch by hand, from the state Lightning saved (read straight from its file).
-    saved = torch.load(LIGHTNING, weights_only=True)
+    # The rest of the run by hand, from the state Lightning saved (read straight from its file).
+    saved = torch.load(PEERS / name, weights_only=True)
     net = nn.Linear(4, 2)
     net.load_state_dict({k.removeprefix("model."): v for k, v in saved["state_dict"].items()})
     optimizer = torch.optim.Adam(net.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
     optimizer.load_state_dict(saved["optimizer_states"][0])
     scheduler.load_state_dict(saved["lr_schedulers"][0])
-    for x, y in DataLoader(peer_data(), batch_size=4):
-        nn.functional.mse_loss(net(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    scheduler.step()
+    steps = 0
+    for epoch in range(first_epoch, trainer.max_epochs):
+        for i, (x, y) in enumerate(DataLoader(peer_data(), batch_size=4)):
+            if epoch == first_epoch and i < skip:
+                continue
+            nn.functional.mse_loss(net(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+        scheduler.step()
 
-    assert saved["epoch"] + 2 == trainer.max_epochs  # one epoch was left: the third
-    assert trainer.global_step == saved["global_step"] + 2
+    assert trainer.global_step == saved["global_step"] + steps
     assert same_bits(module.model.weight.detach(), net.weight.detach())
     assert same_bits(module.model.bias.detach(), net.bias.detach())
     assert trainer.optimizers[0].param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    if skip:
+        assert "warning: Lightning saved inside epoch 1: its sampler's order is not in the checkpoint" in out
 
 
 @pytest.mark.timeout(60)
@@ -225,6 +241,54 @@ def test_optimizer_and_scheduler_classes_can_be_named(tmp_path: Path, capsys: py
     )
     assert code == 1 and "2 --optimizer and 0 --scheduler classes given, but the checkpoint holds 1 optimizers" in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.timeout(60)
+def test_classes_hparams_and_keys_outside_the_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ck = torch.load(LIGHTNING, weights_only=True)
+    ck["state_dict"]["criterion.pos_weight"] = torch.ones(2)
+    ck["optimizer_states"][0]["param_groups"][0]["decoupled_weight_decay"] = True  # what AdamW saves
+    ck["hyper_parameters"] = {"hidden": 8, "lr": 0.1}
+    torch.save(ck, tmp_path / "adamw.ckpt")
+    code, out, err = run_import(capsys, tmp_path / "adamw.ckpt", tmp_path / "imported", "--strip-prefix", "model.")
+    assert code == 0, err
+    assert "optimizer_0: torch.optim.adamw.AdamW (inferred" in out
+    assert "warning: --strip-prefix 'model.' leaves out 1 keys of module outside it: criterion.pos_weight" in out
+    assert sorted(torchrig.checkpoint.module_weights(tmp_path / "imported")["module"]) == ["bias", "weight"]
+    assert torchrig.checkpoint.read_values(tmp_path / "imported")["hparams"] == {"hidden": 8, "lr": 0.1}
+
+    fields = dict(ck["lr_schedulers"][0])
+    del fields["step_size"], fields["gamma"]
+    ck["lr_schedulers"][0] = {**fields, "lr_lambdas": [None]}  # a LambdaLR's state: no class has these fields
+    torch.save(ck, tmp_path / "lambda.ckpt")
+    code, _, err = run_import(capsys, tmp_path / "lambda.ckpt", tmp_path / "other")
+    assert code == 1
+    assert "cannot tell the class of scheduler 0 from its fields (lr_lambdas)" in err
+    assert "name it with --scheduler, e.g. --scheduler torch.optim.lr_scheduler.StepLR" in err
+    code, out, err = run_import(
+        capsys, tmp_path / "lambda.ckpt", tmp_path / "other", "--scheduler", "torch.optim.lr_scheduler.LambdaLR"
+    )
+    assert code == 0, err
+    assert "scheduler_0: torch.optim.lr_scheduler.LambdaLR (as --scheduler names it)" in out
+
+
+@pytest.mark.timeout(60)
+def test_accelerate_files_without_a_counterpart_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "acc"
+    shutil.copytree(ACCELERATE, folder)
+    for name in ("sampler.bin", "scaler.pt", "custom_checkpoint_0.pkl", "notes.txt"):
+        (folder / name).write_bytes(b"never read")
+    (folder / "pytorch_model_fsdp_0").mkdir()
+    code, out, err = run_import(capsys, folder, tmp_path / "imported")
+    assert code == 0, err
+    for text in (
+        "warning: not carried over: sampler.bin (the dataloader's position",
+        "warning: the AMP gradient scaler state (scaler.pt) is not carried over",
+        "warning: not carried over: custom_checkpoint_0.pkl (an object registered with",
+        "warning: not carried over: notes.txt (not a file save_state writes)",
+        "warning: not carried over: pytorch_model_fsdp_0 (a directory (FSDP or DeepSpeed shards are not imported))",
+    ):
+        assert text in out, text
 
 
 class Touch:

@@ -247,16 +247,19 @@ def _lightning_position(peer: _Peer, loops: Any) -> None:
         return
     if processed > peer.epoch:
         peer.batches, peer.epoch_finished = batches, True
-        where = f"epoch {peer.epoch} finished after {batches} batches: a Trainer continues with epoch {peer.epoch + 1}"
+        where = (
+            f"epoch {peer.epoch} (counted from 0) finished after {batches} batches: a Trainer continues with epoch "
+            f"{peer.epoch + 1}"
+        )
     elif started > peer.epoch and batches:
         peer.batches = batches
-        where = f"epoch {peer.epoch} stopped after {batches} batches: a Trainer continues it at batch {batches}"
+        where = f"epoch {peer.epoch} (counted from 0) stopped after {batches} batches: a Trainer continues it there"
         peer.warnings.append(
             f"Lightning saved inside epoch {peer.epoch}: its sampler's order is not in the checkpoint, so the rest of "
             "the epoch comes in torchrig's order (the batches skipped are counted, not the samples)"
         )
     else:
-        where = f"a Trainer starts epoch {peer.epoch} at its first batch"
+        where = f"a Trainer starts epoch {peer.epoch} (counted from 0) at its first batch"
     peer.warnings.append(f"Lightning's loop state is not carried over, only the position it records ({where})")
 
 

@@ -11,6 +11,8 @@ It writes, next to itself:
 - ``lightning.ckpt``: what Lightning's ``ModelCheckpoint`` saved at the end of the 2nd epoch of a
   LightningModule holding ``self.model = nn.Linear(4, 2)``, trained with Adam and a StepLR
   (2 batches an epoch, so 4 optimizer steps).
+- ``lightning_mid.ckpt``: what a second ``ModelCheckpoint(every_n_train_steps=3)`` of the same run
+  saved after the 3rd step, inside the 2nd epoch.
 - ``accelerate/``: what ``Accelerator.save_state`` wrote after 3 steps of an ``nn.Linear(4, 2)``
   with Adam, a StepLR and a prepared DataLoader.
 - ``lightning_expected.safetensors`` and ``accelerate_expected.safetensors``: the tensors each
@@ -88,16 +90,18 @@ def lightning_checkpoint() -> None:
     out = Path(tempfile.mkdtemp())
     take = Expected()
     save = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, filename="lightning", every_n_epochs=2)
+    mid = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, filename="lightning_mid", every_n_train_steps=3)
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=2,
         logger=False,
-        callbacks=[take, save],
+        callbacks=[take, save, mid],
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(Module(), DataLoader(data(), batch_size=4))
-    shutil.move(out / "lightning.ckpt", HERE / "lightning.ckpt")
+    for name in ("lightning.ckpt", "lightning_mid.ckpt"):
+        shutil.move(out / name, HERE / name)
     out.rmdir()
     tensors, meta = take.saved
     safetensors.torch.save_file(tensors, str(HERE / "lightning_expected.safetensors"), metadata=meta)
