@@ -352,6 +352,7 @@ def test_what_is_not_a_checkpoint_is_a_clear_error(tmp_path: Path, capsys: pytes
 @pytest.mark.timeout(60)
 def test_importing_again_replaces_the_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_import(capsys, ACCELERATE, tmp_path / "ck")[0] == 0
-    assert run_import(capsys, LIGHTNING, tmp_path / "ck")[0] == 0
+    (tmp_path / "link.ckpt").symlink_to(LIGHTNING)  # a link given as PATH is followed
+    assert run_import(capsys, tmp_path / "link.ckpt", tmp_path / "ck")[0] == 0
     assert sorted(torchrig.checkpoint.module_weights(tmp_path / "ck")["module"]) == ["model.bias", "model.weight"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp directory left

@@ -50,8 +50,10 @@ _LIGHTNING_KNOWN = {
 }  # fmt: skip
 _SCALER_KEYS = ("MixedPrecision", "native_amp_scaling_state", "MixedPrecisionPlugin")
 # What numpy needs to rebuild the arrays of Accelerate's RNG file: an array of a plain dtype.
-_NUMPY_ARRAY_GLOBALS = {"numpy.dtype", "numpy.ndarray", "numpy._core.multiarray._reconstruct",
-                        "numpy.core.multiarray._reconstruct"}  # fmt: skip
+_NUMPY_ARRAY_GLOBALS = {
+    "numpy.dtype", "numpy.ndarray", "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct",
+    "numpy.dtypes.UInt32DType", "numpy.dtypes.Int64DType", "numpy.dtypes.Float64DType",
+}  # fmt: skip
 
 
 @dataclass
@@ -108,6 +110,8 @@ def import_checkpoint(
         An :class:`Imported` with the path written, a line per entry and the warnings.
     """
     src, target = Path(path), Path(out).absolute()
+    if src.is_file():
+        src = src.resolve()  # the file a link names (files inside an Accelerate folder must be regular)
     _check_target(target)
     if src.is_dir():
         peer = _read_accelerate(src, seed)
@@ -162,9 +166,10 @@ def _torch_file(path: Path, what: str, allowed: set[str] | frozenset[str] = froz
 
 
 def _numpy_globals() -> list[Any]:
-    multiarray = getattr(np, "_core", None) or np.core
+    """The objects of :data:`_NUMPY_ARRAY_GLOBALS` (NumPy 1 named its module ``numpy.core``)."""
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct
     dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64)]
-    return [np.dtype, np.ndarray, multiarray.multiarray._reconstruct, *dtypes]
+    return [np.dtype, np.ndarray, reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), *dtypes]
 
 
 def _safetensors_file(path: Path) -> dict[str, torch.Tensor]:
@@ -314,7 +319,8 @@ def _read_accelerate(folder: Path, seed: int) -> _Peer:
     if not peer.modules:
         raise CheckpointError(
             f"{folder} is not a directory Accelerate's save_state wrote: it has no model.safetensors or "
-            f"pytorch_model.bin (it has {', '.join(names) if names else 'nothing'})"
+            f"pytorch_model.bin (it has {', '.join(names[:8]) if names else 'nothing'}); a sharded Lightning "
+            "checkpoint directory cannot be imported"
         )
     if rngs:
         states = [_accelerate_rng(rngs[r]) for r in sorted(rngs)]
