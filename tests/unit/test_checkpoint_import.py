@@ -104,6 +104,32 @@ def test_lightning_checkpoint_resumes_bitwise(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.timeout(60)
+def test_lightning_checkpoint_saved_inside_an_epoch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = torch.load(PEERS / "lightning_mid.ckpt", weights_only=True)  # what Lightning wrote, read directly
+    code, out, err = run_import(capsys, PEERS / "lightning_mid.ckpt", tmp_path / "imported")
+    assert code == 0, err
+    model = Lit()
+    left, optimizer, scheduler = resume_into(tmp_path / "imported", model)
+    for name, value in model.state_dict().items():
+        assert same_bits(value, saved["state_dict"][name]), name
+    for i, state in optimizer.state_dict()["state"].items():
+        assert state.keys() == saved["optimizer_states"][0]["state"][i].keys()
+        for n, value in state.items():
+            assert same_bits(value, saved["optimizer_states"][0]["state"][i][n]), (i, n)
+    assert scheduler.state_dict() == saved["lr_schedulers"][0]
+    batches = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"]
+    assert left["loop"] == {
+        "epoch": saved["epoch"],
+        "batch_idx": batches,
+        "global_step": saved["global_step"],
+        "epoch_finished": False,
+        "val_pending": False,
+    }
+    assert left["train_loader"] == {"epoch": saved["epoch"], "batches_seen": batches}
+    assert f"epoch {saved['epoch']} (counted from 0) stopped after {batches} batches" in out
+
+
+@pytest.mark.timeout(60)
 def test_strip_and_add_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     want, _ = expected("lightning")
     code, _, err = run_import(capsys, LIGHTNING, tmp_path / "plain", "--strip-prefix", "model.")
