@@ -38,7 +38,7 @@ def test_the_data_tells_the_token_mean_from_the_mean_of_micro_batch_means() -> N
     assert len(set(counts)) > 1, counts  # the micro-batches do hold different numbers of tokens
 
 
-@pytest.mark.parametrize("mode", ["tensor", "int"])
+@pytest.mark.parametrize("mode", ["tensor", "int", "numpy"])
 def test_one_process_accumulating_four_micro_batches_steps_like_one_batch(mode: str) -> None:
     # Two epochs of one optimizer step each (4 micro-batches of 2 padded sequences).
     weights, trainer = tw.fit(mode=mode, accumulate=4, max_steps=2)

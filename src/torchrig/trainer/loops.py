@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict, dataclass
@@ -362,6 +363,8 @@ class ItemWindow:
         elif isinstance(n, torch.Tensor) and n.ndim == 0 and not (n.dtype == torch.bool or n.is_complex()):
             n = n.detach()
             self.dev = n if self.dev is None else self.dev + n
+        elif isinstance(n, numbers.Real) and not isinstance(n, bool):  # a NumPy number, a Fraction...
+            self.add({"loss": loss, "num_items": float(n)}, batch_idx, accumulate, False)
         else:
             raise TypeError(
                 f"training_step returned num_items={_short(n)}; it must be an int, a float or a 0-d tensor "
@@ -421,9 +424,10 @@ class ItemWindow:
 
 
 def _on(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor | float:
-    """``scale`` usable with tensors on ``device`` (a 0-d CPU tensor works with any device)."""
-    if isinstance(scale, torch.Tensor) and scale.device != device and scale.device.type != "cpu":
-        return scale.to(device)
+    """``scale`` usable with tensors on ``device``."""
+    if isinstance(scale, torch.Tensor) and scale.device != device:
+        # A count returned as a CPU tensor on an accelerator run: reading CPU memory is no device sync.
+        return scale.item() if scale.device.type == "cpu" else scale.to(device)
     return scale
 
 

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -69,8 +70,9 @@ def token_errors(net: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.T
 
 
 class TokenRegressor(torchrig.TrainingModule):
-    """``mode``: ``"tensor"`` (num_items = mask.sum()), ``"int"`` (a Python int), ``"mean"`` (the
-    old way: each micro-batch's own mean per token, returned as a plain loss)."""
+    """``mode``: ``"tensor"`` (num_items = mask.sum()), ``"int"`` (a Python int), ``"numpy"`` (a
+    NumPy integer), ``"mean"`` (the old way: each micro-batch's own mean per token, returned as a
+    plain loss)."""
 
     def __init__(self, mode: str = "tensor") -> None:
         super().__init__()
@@ -82,7 +84,9 @@ class TokenRegressor(torchrig.TrainingModule):
         errors = token_errors(self.net, batch["x"], batch["y"], batch["mask"])
         if self.mode == "mean":
             return errors.sum() / batch["mask"].sum()
-        count = batch["mask"].sum() if self.mode == "tensor" else sum(batch["lengths"])
+        count: Any = batch["mask"].sum() if self.mode == "tensor" else sum(batch["lengths"])
+        if self.mode == "numpy":
+            count = numpy.int64(count)
         return {"loss": errors.sum(), "num_items": count}
 
     def configure_optimizers(self) -> Any:
