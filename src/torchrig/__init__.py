@@ -10,10 +10,10 @@ from torchrig.accelerators import (
     XLAAccelerator,
 )
 from torchrig.checkpoint import CheckpointError
-from torchrig.collections import move_to_device
 from torchrig.devices import current_device_index, device_index, set_device_index
 from torchrig.diagnostics import DeviceMismatchError
 from torchrig.fp8 import FP8Mixed
+from torchrig.nested import move_to_device
 from torchrig.planner import plan
 from torchrig.precision import PRECISIONS, Precision
 from torchrig.preemption import Preempted

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 
-from torchrig.collections import move_batch
+from torchrig.nested import move_batch
 
 #: Ticks once per batch any prepared loader yields (see ``RigDataLoader.yielded_at``).
 _YIELDS = itertools.count()

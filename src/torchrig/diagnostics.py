@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchrig.collections import apply_to_tensors
+from torchrig.nested import apply_to_tensors
 
 _MISMATCH = re.compile(
     r"Expected all tensors to be on the same device"

@@ -17,18 +17,18 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """
     if isinstance(data, torch.Tensor):
         return fn(data)
-    if _is_container(data):
-        return _rebuild(data, lambda v: apply_to_tensors(v, fn))
+    if is_container(data):
+        return rebuild(data, lambda v: apply_to_tensors(v, fn))
     return data
 
 
-def _is_container(data: Any) -> bool:
+def is_container(data: Any) -> bool:
     if isinstance(data, (Mapping, list, tuple)):
         return True
     return dataclasses.is_dataclass(data) and not isinstance(data, type)
 
 
-def _rebuild(data: Any, f: Callable[[Any], Any]) -> Any:
+def rebuild(data: Any, f: Callable[[Any], Any]) -> Any:
     """A mapping, list, tuple, namedtuple or dataclass with ``f`` applied to each child, type kept."""
     cls = type(data)
     if isinstance(data, Mapping):
@@ -86,12 +86,12 @@ def move_batch(data: Any, device: torch.device, nb: bool) -> Any:
     if isinstance(data, _LEAVES):
         return data
     if isinstance(data, (Mapping, list, tuple)):
-        return _rebuild(data, lambda v: move_batch(v, device, nb))
+        return rebuild(data, lambda v: move_batch(v, device, nb))
     move = getattr(data, "to", None)
     if callable(move):
         return move(device, non_blocking=nb) if _takes_non_blocking(cls) else move(device)
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        return _rebuild(data, lambda v: move_batch(v, device, nb))
+        return rebuild(data, lambda v: move_batch(v, device, nb))
     return data
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchrig.collections import apply_to_tensors
 from torchrig.fp8 import FP8_PRECISION, FP8Mixed
+from torchrig.nested import apply_to_tensors
 
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}

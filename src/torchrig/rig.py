@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader
 
 from torchrig import arguments, speedups
 from torchrig.accelerators import Accelerator
-from torchrig.collections import move_to_device
 from torchrig.data import RigDataLoader, rebuild_with_sampler
 from torchrig.fp8 import FP8Mixed
+from torchrig.nested import apply_to_tensors, move_to_device
 from torchrig.precision import Precision
 from torchrig.preemption import SignalsLike, SignalWatch, resolve_signals
 from torchrig.resolve import Plan, resolve
@@ -377,13 +377,10 @@ class Rig:
     # -- collectives (free in one process) -------------------------------------------------
     def all_gather(self, obj: Any, sync_grads: bool = False) -> Any:
         """Gather tensors (or nested collections of them) from every process: ``(world, *shape)``."""
-        from torchrig.collections import apply_to_tensors
-
         return apply_to_tensors(obj, lambda t: self.strategy.all_gather(t, sync_grads=sync_grads))
 
     def all_reduce(self, obj: Any, op: str = "mean") -> Any:
         """Reduce tensors across processes with ``op`` in ``mean``, ``sum``, ``max``, ``min``."""
-        from torchrig.collections import apply_to_tensors
         from torchrig.strategies.base import check_reduce_op
 
         check_reduce_op(op)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torchrig import move_to_device
-from torchrig.collections import apply_to_tensors
+from torchrig.nested import apply_to_tensors
 
 pytestmark = pytest.mark.timeout(10)
 META = torch.device("meta")  # a real second device on a CPU-only machine

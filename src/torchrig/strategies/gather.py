@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchrig.collections import _is_container, _rebuild
 from torchrig.data import ResumableSampler
+from torchrig.nested import is_container, rebuild
 
 if TYPE_CHECKING:
     from torchrig.rig import Rig
@@ -46,7 +46,7 @@ def _padding_of_current_batch(rig: Rig, batch_size: int) -> int:
 
 def _is_object_batch(obj: Any) -> bool:
     """A plain list or tuple of plain objects (ids, strings, numbers): one per sample, a batch."""
-    return type(obj) in (list, tuple) and not any(isinstance(v, torch.Tensor) or _is_container(v) for v in obj)
+    return type(obj) in (list, tuple) and not any(isinstance(v, torch.Tensor) or is_container(v) for v in obj)
 
 
 def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], Any], on_objects: Callable[[Any], Any]) -> Any:
@@ -56,9 +56,9 @@ def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], Any], on_objects: Callab
         return on_tensor(obj)
     if obj is None:  # nothing to gather (a predict_step that returns None)
         return None
-    if _is_object_batch(obj) or not _is_container(obj):
+    if _is_object_batch(obj) or not is_container(obj):
         return on_objects(obj)
-    return _rebuild(obj, lambda v: _walk(v, on_tensor, on_objects))
+    return rebuild(obj, lambda v: _walk(v, on_tensor, on_objects))
 
 
 def _interleave(per_rank: list[Sequence[Any]]) -> list[Any]:

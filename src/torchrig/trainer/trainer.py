@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig import arguments
-from torchrig.collections import apply_to_tensors
+from torchrig.nested import apply_to_tensors
 from torchrig.preemption import SignalsLike, SignalWatch, resolve_requeue_signal, resolve_signals
 from torchrig.rig import Rig
 from torchrig.trainer import debugging, loops
