@@ -118,6 +118,12 @@ def test_every_rig_trainer_and_torchrig_name_in_the_tables_exists() -> None:
                 target = getattr(target, part)
             checked += 1
     assert checked > 40, checked
+    # Every class a code span of the torchrig column starts with is torchrig's (RigModule: what prepare returns).
+    ours_column = [row.split(" | ")[1] for row in table_rows() if row.count(" | ") >= 2]
+    classes = {n for column in ours_column for n in re.findall(r"`(?:torchrig\.)?([A-Z]\w*?[a-z]\w*)", column)}
+    assert {"CPUAccelerator", "DDPStrategy", "ThroughputMonitor", "RigModule"} <= classes, classes
+    for name in classes:
+        assert name == RigModule.__name__ or hasattr(torchrig, name), f"torchrig.{name}"
     # The Trainer arguments the table says keep their names, and the ones it says have none.
     import inspect
 
