@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.utils.data import DataLoader
 
-from torchrig.checkpoint.state import capture_rng, restore_rng
+from torchrig.checkpoint.rng import capture_rng, restore_rng
 from torchrig.data import RigDataLoader
 from torchrig.trainer import loops, runner
 from torchrig.trainer.metrics import MetricStore

@@ -108,7 +108,7 @@ def test_keep_last_and_the_last_link(rig: torchrig.Rig, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-3", "step-4"]
     assert (tmp_path / "last").is_symlink() and os.readlink(tmp_path / "last") == "step-4"
     assert rig.load(tmp_path / "last")["step"] == 4
-    with pytest.raises(ValueError, match="keep_last=0 must be a positive int"):
+    with pytest.raises(ValueError, match="keep_last=0 must be an int >= 1; pass None to keep every checkpoint"):
         rig.save(tmp_path / "x", {"model": model}, keep_last=0)
     with pytest.raises(ValueError, match="'last' is the link torchrig points at the newest"):
         rig.save(tmp_path / "last", {"model": model})

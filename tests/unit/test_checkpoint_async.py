@@ -23,7 +23,7 @@ from torch import nn
 
 import torchrig
 from conftest import python_env
-from torchrig.checkpoint import SaveHandle, core, files
+from torchrig.checkpoint import SaveHandle, core, files, tensors
 
 pytestmark = pytest.mark.timeout(60)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))  # trainer_helpers
@@ -147,7 +147,7 @@ def _full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_space(path: Path, *args: Any, **kwargs: Any) -> str:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(core, "write_safetensors", no_space)
+    monkeypatch.setattr(tensors, "write_safetensors", no_space)
 
 
 def test_an_error_in_the_background_is_raised_at_the_next_save(
@@ -195,13 +195,13 @@ def test_the_process_ends_after_its_background_saves_and_a_failure_nobody_waited
     # The script ends right after two background saves (two Rigs): one that works, one on a full disk.
     script = f"""
 import errno, os, torch, torchrig
-from torchrig.checkpoint import core
-real = core.write_safetensors
+from torchrig.checkpoint import tensors
+real = tensors.write_safetensors
 def no_space(path, *a, **k):
     if path.name.startswith("model"):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     return real(path, *a, **k)
-core.write_safetensors = no_space
+tensors.write_safetensors = no_space
 torchrig.Rig(accelerator="cpu").save({str(tmp_path / "ok")!r}, {{"net": torch.nn.Linear(2, 2)}}, blocking=False)
 torchrig.Rig(accelerator="cpu").save({str(tmp_path / "full")!r}, {{"model": torch.nn.Linear(2, 2)}}, blocking=False)
 """

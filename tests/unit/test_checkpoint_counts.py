@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import torchrig
-from torchrig.checkpoint.core import module_counts
+from torchrig.checkpoint.entries import module_counts
 from torchrig.cli import main
 
 
@@ -40,8 +40,11 @@ def test_meta_json_and_inspect_use_the_rule(tmp_path: Path, capsys: pytest.Captu
     meta = json.loads((path / "meta.json").read_text())
     assert (meta["parameters"], meta["buffers"]) == (36, 7)
     assert main(["checkpoint", "inspect", str(path)]) == 0
-    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in capsys.readouterr().out.splitlines()
-            if line.count("│") == 3}
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in capsys.readouterr().out.splitlines()
+        if line.count("│") == 3
+    }
     assert (rows["parameters"], rows["buffers"]) == ("36", "7")
 
 

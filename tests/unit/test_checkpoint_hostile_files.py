@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import torchrig
-from torchrig.checkpoint import CheckpointError, files
+from torchrig.checkpoint import CheckpointError, files, reading
 from torchrig.cli import main
 
 EMPTY_SHA = hashlib.sha256().hexdigest()
@@ -115,14 +115,14 @@ def test_a_symlink_is_refused_even_to_the_right_bytes(
 
 def test_reads_stop_at_the_listed_size(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"0123456789")
-    assert files.read_regular(tmp_path / "f", 10) == b"0123456789"
+    assert reading.read_regular(tmp_path / "f", 10) == b"0123456789"
     with pytest.raises(CheckpointError, match=r"f is 10 bytes but meta\.json says 4"):
-        files.read_regular(tmp_path / "f", 4)
+        reading.read_regular(tmp_path / "f", 4)
     with pytest.raises(CheckpointError, match=r"f is 10 bytes, more than the 8 a torchrig f can be"):
-        files.read_regular(tmp_path / "f", limit=8)
-    assert files.sha256_file(tmp_path / "f", 10) == hashlib.sha256(b"0123456789").hexdigest()
+        reading.read_regular(tmp_path / "f", limit=8)
+    assert reading.sha256_file(tmp_path / "f", 10) == hashlib.sha256(b"0123456789").hexdigest()
     with pytest.raises(CheckpointError, match=r"f is 10 bytes but meta\.json says 11"):
-        files.sha256_file(tmp_path / "f", 11)
+        reading.sha256_file(tmp_path / "f", 11)
 
 
 @pytest.mark.timeout(20)
@@ -212,9 +212,9 @@ def test_deeply_nested_or_broken_json_is_a_checkpoint_error(
 
 def test_ctrl_c_during_a_load_does_not_wait_for_blocked_reads(saved: Path) -> None:
     """A KeyboardInterrupt leaves the reader at once; a read still under way finishes on its own."""
-    meta = files.read_meta(saved)
+    meta = reading.read_meta(saved)
     release = threading.Event()
-    with pytest.raises(KeyboardInterrupt), files.VerifiedReader(saved, meta) as reader:
+    with pytest.raises(KeyboardInterrupt), reading.VerifiedReader(saved, meta) as reader:
         blocked = reader.submit("state.pt", lambda path, hashing: (release.wait(), None))
         raise KeyboardInterrupt
     assert not blocked.done()  # before the fix, leaving the block waited here for ever
@@ -384,13 +384,17 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(
     model = rig.prepare(nn.Linear(64, 64))
     rig.save(tmp_path / "step-1", {"model": model, "step": 1})
     if where == "torch.save":  # torch reports it as "unexpected pos", the OSError as its context
+
         def full(self: Any, b: Any) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(files.HashingWriter, "write", full)
     else:  # safetensors' Rust writer puts the errno in its text
+
         def full_st(*args: Any, **kwargs: Any) -> None:
-            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")  # noqa: E501
+            raise safetensors.SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            )
 
         monkeypatch.setattr(safetensors.torch, "save_file", full_st)
     with pytest.raises(CheckpointError, match=NO_SPACE.format(re.escape(str(tmp_path / "step-2")))):

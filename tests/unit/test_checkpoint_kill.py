@@ -243,4 +243,3 @@ def test_retention_moves_on_past_a_checkpoint_another_process_removed(
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]
     assert rig.load(path)["step"] == 4
-

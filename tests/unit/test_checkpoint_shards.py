@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import torchrig
-from torchrig.checkpoint import CheckpointError, consolidate, state
+from torchrig.checkpoint import CheckpointError, consolidate, tensors
 
 
 class TiedNet(nn.Module):
@@ -37,8 +37,8 @@ def rig() -> torchrig.Rig:
 @pytest.fixture
 def small_shards(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shards of ~300 bytes and every tensor of 64 bytes or more out of state.pt."""
-    monkeypatch.setattr(state, "SHARD_BYTES", 300)
-    monkeypatch.setattr(state, "EXTRACT_BYTES", 64)
+    monkeypatch.setattr(tensors, "SHARD_BYTES", 300)
+    monkeypatch.setattr(tensors, "EXTRACT_BYTES", 64)
 
 
 def trained(rig: torchrig.Rig, seed: int, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -47,11 +47,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from torchrig.checkpoint.background import SaveHandle
-from torchrig.checkpoint.core import load, save
-from torchrig.checkpoint.files import CheckpointError, read_meta, resolve_checkpoint, verify_files
+from torchrig.checkpoint.core import load, read_whole, save
+from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.files import durable, follow_umask, fsync_dir, resolve_checkpoint
+from torchrig.checkpoint.meta import STATE_FILE
+from torchrig.checkpoint.reading import VerifiedReader, read_meta, safe_torch_load, verify_files
+from torchrig.checkpoint.sharded import consolidate_dcp
 
 __all__ = ["CheckpointError", "SaveHandle", "consolidate", "describe", "load", "module_weights", "read_values", "save"]
 
@@ -78,10 +83,6 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     Example:
         >>> # torchrig.checkpoint.consolidate("checkpoints/last", "model.safetensors")
     """
-    import safetensors.torch
-
-    from torchrig.checkpoint.files import durable, follow_umask, fsync_dir
-
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
     per_module = module_weights(folder)
@@ -115,9 +116,6 @@ def module_weights(path: str | os.PathLike[str]) -> dict[str, dict[str, torch.Te
     Example:
         >>> # torchrig.checkpoint.module_weights("checkpoints/last")["module"]["net.0.weight"]
     """
-    from torchrig.checkpoint.core import read_whole
-    from torchrig.checkpoint.sharded import consolidate_dcp
-
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
     if meta.get("sharded"):
@@ -132,9 +130,6 @@ def read_values(path: str | os.PathLike[str]) -> dict[str, Any]:
     Example:
         >>> # torchrig.checkpoint.read_values("checkpoints/last")["step"]
     """
-    from torchrig.checkpoint.core import STATE_FILE, read_whole
-    from torchrig.checkpoint.files import VerifiedReader, safe_torch_load
-
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
     if meta.get("sharded"):

@@ -7,7 +7,7 @@ one background thread; the returned :class:`SaveHandle` says when that is done.
 
 Across processes no collective ever runs on the background thread: the ranks learn rank zero's
 outcome through the process group's key-value store (whose client serializes its requests), under
-a key of the save's round (see :func:`torchrig.checkpoint.core.all_ranks_arrive`). Sharded saves run
+a key of the save's round (see :mod:`.rounds`). Sharded saves run
 DCP's collectives on a process group of their own (:mod:`.sharded`).
 """
 
@@ -16,18 +16,19 @@ from __future__ import annotations
 import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours)
 import contextlib
 import copy
-import datetime
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-_RESULT = "torchrig/save/{}/result".format  # rank zero's outcome of save round n: "" or "Type: message"
+if TYPE_CHECKING:
+    from torchrig.checkpoint.rounds import SharedOutcome
+
 _unsettled: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
 
@@ -43,7 +44,7 @@ class SaveHandle:
         >>> # ... keep training ...; handle.wait()  # the Path, once committed
     """
 
-    def __init__(self, path: Path, *, shared: _Shared | None = None) -> None:
+    def __init__(self, path: Path, *, shared: SharedOutcome | None = None) -> None:
         self.path = path
         self._local: Future[None] = Future()
         self._shared = shared  # how a rank other than zero learns rank zero's outcome
@@ -109,7 +110,7 @@ class SaveHandle:
             for hook in hooks:
                 hook(self.path)
 
-    def start(self, job: Callable[[], None] | None, *, background: bool, publish: _Shared | None = None) -> None:
+    def start(self, job: Callable[[], None] | None, *, background: bool, publish: SharedOutcome | None = None) -> None:
         """Run this rank's part of the save (``None``: nothing to write here) inline or on a thread;
         with ``publish`` (rank zero), its outcome is published to the other ranks."""
 
@@ -135,7 +136,7 @@ class SaveHandle:
         self._thread.start()
 
     @contextlib.contextmanager
-    def starting(self, publish: _Shared | None) -> Iterator[None]:
+    def starting(self, publish: SharedOutcome | None) -> Iterator[None]:
         """An error while the save is set up on the calling thread is published (by rank zero) too."""
         try:
             yield
@@ -143,45 +144,6 @@ class SaveHandle:
             if publish is not None:
                 publish.publish(f"{type(err).__name__}: {err}")
             raise
-
-
-class _Shared:
-    """Rank zero's outcome of save round ``n`` in the process group's key-value store."""
-
-    def __init__(self, store: Any, n: int, timeout: datetime.timedelta) -> None:
-        self.store, self.key, self.timeout = store, _RESULT(n), timeout
-
-    def publish(self, message: str) -> None:
-        self.store.set(self.key, message)
-
-    def ready(self) -> bool:
-        return bool(self.store.check([self.key]))
-
-    def check(self, path: Path) -> None:
-        self.store.wait([self.key], self.timeout)
-        message = self.store.get(self.key).decode()
-        if message:
-            raise RuntimeError(f"rank 0 failed to save the checkpoint {path}: {message}")
-
-
-def shared_outcome(rig: Any, n: int | None) -> _Shared | None:
-    """How the ranks of ``rig`` share rank zero's outcome of save round ``n`` (None: one process)."""
-    if n is None:
-        return None
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    timeout = getattr(rig.strategy, "timeout", None)
-    return _Shared(store, n, timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(minutes=30))
-
-
-def forget_outcome(rig: Any, n: int) -> None:
-    """Rank zero removes the outcome of round ``n`` once every rank is past it."""
-    import torch.distributed as dist
-
-    if rig.is_global_zero:
-        with contextlib.suppress(RuntimeError, dist.DistError):
-            dist.distributed_c10d._get_default_store().delete_key(_RESULT(n))
 
 
 # -- the snapshot ------------------------------------------------------------------------------
@@ -334,6 +296,22 @@ def _host_copy(
             into.copy_(as_bytes, non_blocking=cuda)
         storages[key] = host
     return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+
+
+def host_buffers(rig: Any) -> HostBuffers:
+    """The host memory ``rig``'s background saves snapshot into, kept from one save to the next."""
+    buffers: HostBuffers | None = getattr(rig, "_host_buffers", None)
+    if buffers is None:
+        buffers = rig._host_buffers = HostBuffers()
+    return buffers
+
+
+def settle_pending(rig: Any) -> None:
+    """Wait for the save ``rig`` runs in the background, if any; raise its error if nobody has yet."""
+    pending: SaveHandle | None = getattr(rig, "_pending_save", None)
+    if pending is not None:
+        rig._pending_save = None
+        pending.settle()
 
 
 def _at_shutdown() -> None:

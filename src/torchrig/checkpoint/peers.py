@@ -38,9 +38,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
+from torch.optim import lr_scheduler
 
-from torchrig.checkpoint.files import META, CheckpointError, read_regular, safe_torch_load
+from torchrig.checkpoint.core import write
+from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.meta import META
+from torchrig.checkpoint.reading import read_regular, safe_torch_load
+from torchrig.checkpoint.storable import check_weights_only
+from torchrig.checkpoint.tensors import split_module_state
+from torchrig.trainer.hparams import HPARAMS_KEY, check_plain
 
 __all__ = ["Imported", "import_checkpoint"]
 
@@ -124,14 +132,12 @@ def import_checkpoint(
     for key in list(peer.modules):
         peer.modules[key] = _rename(peer.modules[key], strip_prefix, add_prefix, key, peer.warnings)
     payload = _payload(peer, list(optimizers), list(schedulers))
-    from torchrig.checkpoint import core
-
     try:
-        core.check_weights_only(payload["blob"])
+        check_weights_only(payload["blob"])
     except TypeError as err:  # read with weights_only, so plain already; said as a checkpoint error all the same
         raise CheckpointError(f"{src} holds state torchrig cannot store: {err}") from None
     origin = types.SimpleNamespace(world_size=len(peer.rng), device=torch.device("cpu"), precision=None)
-    core.write(origin, target, payload, keep_last=None, link=None)
+    write(origin, target, payload, keep_last=None, link=None)
     return Imported(target, peer.source, peer.lines, peer.warnings)
 
 
@@ -173,8 +179,6 @@ def _numpy_globals() -> list[Any]:
 
 
 def _safetensors_file(path: Path) -> dict[str, torch.Tensor]:
-    import safetensors.torch
-
     try:
         return dict(safetensors.torch.load(read_regular(path)))
     except Exception as err:
@@ -269,8 +273,6 @@ def _lightning_position(peer: _Peer, loops: Any) -> None:
 
 
 def _take_hparams(peer: _Peer, hparams: Any) -> None:
-    from torchrig.trainer.hparams import HPARAMS_KEY, check_plain
-
     try:
         if not isinstance(hparams, dict):
             raise ValueError(f"it is a {type(hparams).__name__}, not a dict")
@@ -424,8 +426,6 @@ def _rename(sd: dict[str, Any], strip: str | None, add: str | None, key: str, no
 
 def _payload(peer: _Peer, optimizers: list[str], schedulers: list[str]) -> dict[str, Any]:
     """What :func:`torchrig.checkpoint.core.write` writes, as ``collect`` makes it from live objects."""
-    from torchrig.checkpoint.state import split_module_state
-
     modules, extras, entries = {}, {}, {}
     floats = 0
     for key, sd in peer.modules.items():
@@ -551,8 +551,6 @@ def _optimizer_defaults() -> tuple[tuple[str, dict[str, Any]], ...]:
 
 
 def _scheduler_class(sd: Any, given: str | None, where: str) -> tuple[str, str]:
-    from torch.optim import lr_scheduler
-
     if not isinstance(sd, dict):
         raise CheckpointError(f"{where} is a {type(sd).__name__}, not an LR scheduler state dict")
     if given is not None:
@@ -579,7 +577,5 @@ def _scheduler_class(sd: Any, given: str | None, where: str) -> tuple[str, str]:
 @functools.cache
 def _scheduler_base_fields() -> frozenset[str]:
     """The fields every torch LR scheduler's state has (those of a StepLR but its own two)."""
-    from torch.optim.lr_scheduler import StepLR
-
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    return frozenset(StepLR(optimizer, 1).state_dict()) - {"step_size", "gamma"}
+    return frozenset(lr_scheduler.StepLR(optimizer, 1).state_dict()) - {"step_size", "gamma"}

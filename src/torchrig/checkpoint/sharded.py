@@ -5,6 +5,9 @@ layout on load may differ from the layout on save); everything else (schedulers,
 the scaler, plain values, every rank's RNG) goes into ``state.pt`` written by rank zero. The
 directory is committed exactly like a whole checkpoint: temp dir, fsync, ``meta.json`` with the
 SHA-256 of every file, rename.
+
+``torch.distributed.checkpoint`` is imported by the functions that use it: it is slow to import
+(see ``python -X importtime -c "import torchrig"``), and a run that never saves sharded never pays that.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import functools
 import hashlib
 import io
+import pathlib
 import pickle
 import pickletools
 from collections.abc import Callable, Collection, Iterator
@@ -20,11 +24,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from torchrig.checkpoint.files import CheckpointError
-
-DCP_METADATA = ".metadata"
+from torchrig.checkpoint.background import host_buffers, to_host
+from torchrig.checkpoint.compare import compare_module, load_problems
+from torchrig.checkpoint.entries import base_meta, collect, is_stateful, module_counts, qualname, user_module
+from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.files import (
+    FileSet,
+    apply_retention,
+    commit,
+    discard,
+    hash_existing,
+    raise_no_space,
+    remove_stale_temps,
+    temp_dir_for,
+    update_link,
+    write_meta,
+    write_torch,
+)
+from torchrig.checkpoint.meta import DCP_METADATA, STATE_FILE
+from torchrig.checkpoint.reading import VerifiedReader, read_regular, safe_torch_load
+from torchrig.checkpoint.restore import apply_loaded
+from torchrig.checkpoint.storable import check_weights_only
+from torchrig.checkpoint.tensors import payload_bytes
 
 
 @functools.cache
@@ -35,8 +59,6 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     enum, the record of where each item lies in a shard file, ``torch.Size``, torch's dtypes and
     layouts, and the ``pathlib`` class of the folder DCP saved to.
     """
-    import pathlib
-
     from torch.distributed.checkpoint import filesystem, metadata
 
     table: dict[tuple[str, str], Any] = {}
@@ -155,7 +177,7 @@ def parse_dcp_metadata(path: Path, data: bytes, files: Collection[str]) -> Any:
     :class:`CheckpointError` naming the file and the global. Every shard file it points DCP at must
     be one of ``files`` (listed in ``meta.json``, so checked like the rest).
     """
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
@@ -175,7 +197,9 @@ def parse_dcp_metadata(path: Path, data: bytes, files: Collection[str]) -> Any:
     ):
         raise CheckpointError(f"{path} is not a DCP metadata file: it holds a {type(md).__name__}")
     for info in md.storage_data.values():
-        ok = type(info) is _StorageInfo and info.relative_path in files and info.relative_path != DCP_METADATA
+        ok = (
+            type(info) is filesystem._StorageInfo and info.relative_path in files and info.relative_path != DCP_METADATA
+        )
         if not ok or not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
             raise CheckpointError(
                 f"{path} points at {getattr(info, 'relative_path', info)!r}, which is not a shard file listed in "
@@ -193,8 +217,6 @@ def parse_dcp_metadata(path: Path, data: bytes, files: Collection[str]) -> Any:
 def read_dcp_metadata(path: Path, hashing: bool, *, files: Collection[str]) -> tuple[Any, str | None]:
     """:func:`parse_dcp_metadata` of a file read once, and the SHA-256 of those bytes (for
     :meth:`VerifiedReader.submit`: the bytes checked are the bytes parsed and given to DCP)."""
-    from torchrig.checkpoint.files import read_regular
-
     data = read_regular(path)  # never a link, FIFO or device
     return parse_dcp_metadata(path, data, files), hashlib.sha256(data).hexdigest() if hashing else None
 
@@ -238,15 +260,14 @@ def _owner(module_items: dict[str, nn.Module], optimizer: torch.optim.Optimizer)
 
 def split(state: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, Any], dict[str, Any]]:
     """Modules, optimizers (real ones, unwrapped), and the rest of ``state``."""
-    from torchrig.checkpoint.state import unwrap_module
-
-    modules = {k: unwrap_module(v) for k, v in state.items() if isinstance(v, nn.Module)}
+    modules = {k: user_module(v) for k, v in state.items() if isinstance(v, nn.Module)}
     optims = {k: getattr(v, "optimizer", v) for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
     rest = {k: v for k, v in state.items() if k not in modules and k not in optims}
     return modules, optims, rest
 
 
 def dcp_state(modules: dict[str, nn.Module], optims: dict[str, Any]) -> dict[str, Any]:
+    """DCP's state dicts of ``modules`` and ``optims`` (each optimizer through the module it optimizes)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out: dict[str, Any] = {k: get_model_state_dict(m) for k, m in modules.items()}
@@ -266,13 +287,12 @@ def start(
     (:func:`_save_group`) so they never meet the training's on the default group.
     """
     import torch.distributed.checkpoint as dcp
-
-    from torchrig.checkpoint import background, core
-    from torchrig.checkpoint.files import discard, remove_stale_temps, temp_dir_for
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     modules, optims, rest = split(state)
     shards = dcp_state(modules, optims)
-    payload = core.collect(rig, rest)
+    payload = collect(rig, rest)
     if rig.is_global_zero:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(target.parent)
@@ -281,10 +301,7 @@ def start(
     if blocking:
         written: Callable[[], Any] = functools.partial(dcp.save, shards, checkpoint_id=tmp)
     else:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        buffers = core.host_buffers(rig)
+        buffers = host_buffers(rig)
         if buffers.dcp_stager is None:  # a copy in (pinned) host memory, reused by the next save
             cuda = rig.device.type == "cuda"
             buffers.dcp_stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
@@ -297,7 +314,7 @@ def start(
         )
         written = future.result  # type: ignore[union-attr]  # a Future: no async_stager returns a response
         if rig.is_global_zero:
-            snapshot = background.to_host(payload["blob"], core.host_buffers(rig))  # no optimizer: DCP's
+            snapshot = to_host(payload["blob"], host_buffers(rig))  # no optimizer: DCP's
             payload, ready = {**payload, "blob": snapshot.tree}, snapshot.ready
 
     def job() -> None:
@@ -310,9 +327,9 @@ def start(
         except BaseException as err:
             if rig.is_global_zero:
                 discard(tmp)
-            blob_bytes = core._payload_bytes({"modules": {}, "blob": payload["blob"]})
+            blob_bytes = payload_bytes({"modules": {}, "blob": payload["blob"]})
             needed = rig.world_size * _local_bytes(shards) + blob_bytes
-            core.raise_no_space(err, target, needed)
+            raise_no_space(err, target, needed)
             raise
 
     return job
@@ -321,8 +338,6 @@ def start(
 def _save_group(rig: Any) -> Any:
     """The process group (gloo, every rank) of background sharded saves, made at the first one
     (every rank calls ``rig.save``, so every rank makes it at the same point)."""
-    import torch.distributed as dist
-
     group = getattr(rig, "_save_group", None)
     if group is None:
         group = rig._save_group = dist.new_group(backend="gloo")
@@ -356,29 +371,17 @@ def _finish(
     link: str | None,
 ) -> None:
     """Rank zero, once every shard is written: ``state.pt``, checksums, ``meta.json``, rename."""
-    from torchrig.checkpoint import core
-    from torchrig.checkpoint.files import (
-        FileSet,
-        apply_retention,
-        commit,
-        hash_existing,
-        read_regular,
-        update_link,
-        write_meta,
-        write_torch,
-    )
-
-    core.check_weights_only(payload["blob"])
+    check_weights_only(payload["blob"])
     with FileSet(tmp) as files:
-        files.add(core.STATE_FILE, functools.partial(write_torch, obj=payload["blob"]))
+        files.add(STATE_FILE, functools.partial(write_torch, obj=payload["blob"]))
         table = files.finish()
-    table.update(hash_existing(tmp, [p.name for p in tmp.iterdir() if p.name != core.STATE_FILE]))
+    table.update(hash_existing(tmp, [p.name for p in tmp.iterdir() if p.name != STATE_FILE]))
     entries = dict(payload["entries"])
-    entries.update({k: {"kind": "module", "type": core._qualname(m), "dcp": True} for k, m in modules.items()})
-    entries.update({k: {"kind": "optimizer", "type": core._qualname(o), "dcp": True} for k, o in optims.items()})
-    meta = core.base_meta(rig, entries, payload["blob"]["values"])
+    entries.update({k: {"kind": "module", "type": qualname(m), "dcp": True} for k, m in modules.items()})
+    entries.update({k: {"kind": "optimizer", "type": qualname(o), "dcp": True} for k, o in optims.items()})
+    meta = base_meta(rig, entries, payload["blob"]["values"])
     md = parse_dcp_metadata(tmp / DCP_METADATA, read_regular(tmp / DCP_METADATA), files=table)  # as loads read it
-    counts = core.module_counts(modules.values())  # full sizes: a DTensor's numel is the whole tensor's
+    counts = module_counts(modules.values())  # full sizes: a DTensor's numel is the whole tensor's
     meta.update(sharded=True, files=table, tensors=_count_tensors(md, list(modules)), **counts)
     write_meta(tmp, meta)
     commit(tmp, target)
@@ -446,9 +449,6 @@ def load(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from torchrig.checkpoint import core
-    from torchrig.checkpoint.files import VerifiedReader, safe_torch_load
-
     if state is None:
         raise ValueError(
             f"{folder} is a sharded checkpoint: load it into objects (rig.load(path, {{'model': model, ...}})), "
@@ -461,7 +461,7 @@ def load(
         raise CheckpointError(f"the checkpoint {folder} has no entries {missing}; it has {sorted(entries)}")
     with VerifiedReader(folder, meta, verify=verify) as reader:
         md = _verified_metadata(reader, meta)
-        blob = safe_torch_load(reader.path(core.STATE_FILE), map_location=rig.device)
+        blob = safe_torch_load(reader.path(STATE_FILE), map_location=rig.device)
     _compare(md, modules, strict)
     _check_before_dcp(entries, blob, modules, optims, rest, strict=strict)
     shards = dcp_state(
@@ -475,7 +475,7 @@ def load(
     for k, o in optims.items():
         if k in shards:
             set_optimizer_state_dict(_owner(modules, o), o, shards[k])
-    return core._apply(rig, folder, entries, blob, {}, rest, strict=strict, device=rig.device)
+    return apply_loaded(rig, entries, blob, {}, rest, strict=strict, device=rig.device)
 
 
 def _check_before_dcp(
@@ -487,27 +487,24 @@ def _check_before_dcp(
     *,
     strict: bool,
 ) -> None:
-    """What :func:`core.check_load` checks, before DCP writes into the modules (they change as it reads)."""
-    from torchrig.checkpoint import core
-    from torchrig.checkpoint.state import is_stateful, raise_if
-
+    """What :func:`~torchrig.checkpoint.compare.load_problems` checks, and the optimizers' classes,
+    before DCP writes into the modules (they change as it reads)."""
     objects = {k: o for k, o in rest.items() if k in entries and is_stateful(o)}
     named = {k: m for k, m in modules.items() if k in entries}
-    found = core.check_load(entries, blob, {}, named, objects, strict=strict)
-    problems = [found] if found else []
+    problems = load_problems(entries, blob, {}, named, objects, strict=strict)
     problems += [
-        f"checkpoint entry {k!r} was saved from a {entries[k]['type']}, not the {core._qualname(o)} given"
+        f"checkpoint entry {k!r} was saved from a {entries[k]['type']}, not the {qualname(o)} given"
         for k, o in optims.items()
-        if k in entries and entries[k]["type"] != core._qualname(o)
+        if k in entries and entries[k]["type"] != qualname(o)
     ]
-    raise_if("\n".join(problems) or None)
+    if problems:
+        raise CheckpointError("\n".join(problems))
 
 
 def _compare(dcp_metadata: Any, modules: dict[str, nn.Module], strict: bool) -> None:
+    """Refuse modules whose names or shapes differ from the shards' (``strict``), before DCP reads."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from torchrig.checkpoint.state import compare_module
 
     md = dcp_metadata.state_dict_metadata
     problems = []
@@ -527,14 +524,12 @@ def _compare(dcp_metadata: Any, modules: dict[str, nn.Module], strict: bool) -> 
 
 def consolidate_dcp(folder: Path, meta: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     """The full tensors of every module entry of a sharded checkpoint, read in this one process."""
-    from torchrig.checkpoint.files import VerifiedReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     with VerifiedReader(folder, meta) as reader:
         md = _verified_metadata(reader, meta)
     keys = [k for k, e in meta["entries"].items() if e["kind"] == "module"]
     # What dcp_to_torch_save does (it is DCP's own converter), but with the weights_only planner.
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     sd: dict[str, Any] = {}
     with _refuse_code(folder):
         _load_state_dict(sd, storage_reader=_reader(folder, md), planner=_safe_planner(keys=keys), no_dist=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchrig.checkpoint.core import module_counts
+from torchrig.checkpoint.entries import module_counts
 from torchrig.checkpoint.files import read_meta, resolve_checkpoint
 from torchrig.demo.data import DigitsDataModule
 from torchrig.demo.model import DigitsCNN

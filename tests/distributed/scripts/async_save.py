@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import torchrig
-from torchrig.checkpoint import core
+from torchrig.checkpoint import tensors
 
 
 def _model(rig: torchrig.Rig, strategy: str) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -54,16 +54,16 @@ def ddp(rig: torchrig.Rig, folder: Path) -> dict[str, Any]:
     left = rig.load(folder / "last", {"model": fresh, "optimizer": fresh_opt})
     same = all(torch.equal(v, before[k]) for k, v in _full(rig, fresh).items())
     if rig.is_global_zero:  # a full disk on rank 0 only, during the next background save
-        real = core.write_safetensors
+        real = tensors.write_safetensors
 
         def no_space(path: Path, *args: Any, **kwargs: Any) -> str:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-        core.write_safetensors = no_space
+        tensors.write_safetensors = no_space
     rig.save(folder / "b", {"model": model, "step": 3}, blocking=False)
     _step(rig, model, optimizer, 4)
     if rig.is_global_zero:
-        core.write_safetensors = real
+        tensors.write_safetensors = real
     try:
         rig.save(folder / "c", {"model": model, "step": 4})
         error = None
