@@ -3,6 +3,10 @@
 Each takes the argument's name and value and either returns the value in its checked form or
 raises ``ValueError``/``TypeError`` whose message starts with ``name=value``. They run once, when
 the argument is given, never per step.
+
+A value of the wrong type raises :class:`ArgumentTypeError`: a ``TypeError`` that is also a
+``ValueError``, because several arguments reported a wrong type as ``ValueError`` before they
+shared these validators, and code that catches that keeps working.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ def shown(value: Any) -> str:
 INT64_MAX = 2**63 - 1
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (a ``TypeError``, and a ``ValueError`` for older callers)."""
+
+
 def int_in_range(name: str, value: Any, low: int, high: int = INT64_MAX, hint: str = "") -> int:
     """``value`` as an int in ``[low, high]`` (by default, what an int64 holds); bools refused."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={shown(value)} must be an int, not {type(value).__name__}{hint}")
+        raise ArgumentTypeError(f"{name}={shown(value)} must be an int, not {type(value).__name__}{hint}")
     if value < low or value > high:
         bound = f">= {low}" if high == INT64_MAX and value < low else f"in [{low}, {high}]"
         raise ValueError(f"{name}={shown(value)} must be an int {bound}{hint}")
@@ -46,7 +54,7 @@ def as_float(value: int | float) -> float:
 def finite_at_least(name: str, value: Any, low: float = 0.0, *, strict: bool = False, hint: str = "") -> float:
     """``value`` as a finite float ``>= low`` (``> low`` when ``strict``); refuses nan, inf and overflow."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}={shown(value)} must be a number, not {type(value).__name__}{hint}")
+        raise ArgumentTypeError(f"{name}={shown(value)} must be a number, not {type(value).__name__}{hint}")
     number = as_float(value)
     op = ">" if strict else ">="
     if not math.isfinite(number) or number < low or (strict and number == low):

@@ -8,19 +8,15 @@ processes together see the same global batches as one process.
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 
 from torchrig.nested import move_batch
-
-#: Ticks once per batch any prepared loader yields (see ``RigDataLoader.yielded_at``).
-_YIELDS = itertools.count()
 
 
 class ResumableSampler(Sampler[int]):
@@ -131,6 +127,8 @@ def rebuild_with_sampler(
 class RigDataLoader:
     """Wraps a DataLoader: yields batches on ``device`` and remembers its place for checkpoints.
 
+    ``on_batch`` (optional) is called with the loader each time it yields a batch.
+
     ``len()``, ``dataset``, ``batch_size`` and ``sampler`` come from the wrapped loader. Each
     ``iter()`` starts a new epoch (``set_epoch`` is called for you); ``state_dict`` records the
     epoch and how many batches of it were consumed (and, for a :class:`ResumableSampler`, how
@@ -138,15 +136,22 @@ class RigDataLoader:
     continue right after them, also under another number of processes or batch size.
     """
 
-    def __init__(self, loader: DataLoader[Any], *, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        *,
+        device: torch.device,
+        seed: int = 0,
+        on_batch: Callable[[RigDataLoader], Any] | None = None,
+    ) -> None:
         self.loader = loader
         self.device = device
         self.seed = seed
         self.epoch = -1
         self.batches_seen = 0
-        #: When this loader last yielded a batch, on a clock shared by all prepared loaders of the
-        #: process: the loader whose batch is being processed now has the highest value.
-        self.yielded_at = -1
+        #: Called with this loader each time it yields a batch, before the batch is handed out
+        #: (the Rig that prepared the loader records it as its ``current_loader``).
+        self.on_batch = on_batch
         self._resume_at: tuple[int, int] | None = None
 
     def __len__(self) -> int:
@@ -191,9 +196,11 @@ class RigDataLoader:
                 next(it)
                 self.batches_seen += 1
             move = device.type != "cpu"  # a DataLoader makes its batches on the CPU: nothing to move there
+            on_batch = self.on_batch
             for batch in it:
                 self.batches_seen += 1
-                self.yielded_at = next(_YIELDS)
+                if on_batch is not None:
+                    on_batch(self)
                 yield move_batch(batch, device, non_blocking) if move else batch
         finally:
             if isinstance(sampler, ResumableSampler):

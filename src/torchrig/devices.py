@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from torchrig.arguments import shown
-
-#: ``devices=`` as a user may write it.
-DevicesLike = int | str | Sequence[int]
 
 ALL = -1
 
@@ -156,6 +153,25 @@ def parse_process_count(devices: Any, *, auto: int = 1) -> int:
     return auto if spec == ALL else spec
 
 
+def device_module(device_type: str) -> ModuleType | None:
+    """``torch.cuda``, ``torch.mps``, ``torch.xpu``, ``torch.<privateuse1>``... for a device type;
+    None when PyTorch has no module for it (``torch.get_device_module`` raises ``RuntimeError``
+    for an unknown type, or one whose module is not registered, such as ``meta`` or ``xla``).
+
+    The one place torchrig looks a device module up; for ``"cpu"`` it is ``torch.cpu``.
+
+    Example:
+        >>> device_module("cpu").__name__, device_module("meta")
+        ('torch.cpu', None)
+    """
+    import torch
+
+    try:
+        return torch.get_device_module(device_type)
+    except RuntimeError:
+        return None
+
+
 def _require_accelerator(what: str) -> str:
     import torch
 
@@ -175,12 +191,7 @@ def _module_fallback(kind: str, fn: str, err: RuntimeError, *args: int) -> Any:
     registered from Python only (``torch._register_device_module``) still has the module
     functions the PrivateUse1 documentation asks for (``current_device``, ``set_device``).
     """
-    import torch
-
-    try:
-        f = getattr(torch.get_device_module(kind), fn, None)
-    except RuntimeError:
-        f = None
+    f = getattr(device_module(kind), fn, None)
     if not callable(f):
         raise RuntimeError(
             f"torch.accelerator cannot handle device indices of {kind!r} ({err}), "

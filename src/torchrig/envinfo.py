@@ -127,7 +127,7 @@ def _can_allocate(device_type: str) -> bool | str:
 def probe_accelerator(name: str) -> dict[str, Any]:
     """One registered accelerator: available or why not, its devices, and its precisions."""
     from torchrig.accelerators import ACCELERATOR_REGISTRY, TorchDeviceAccelerator
-    from torchrig.accelerators.torch_device import device_module
+    from torchrig.devices import device_module
     from torchrig.precision import auto_precision, supported_precisions
 
     entry = ACCELERATOR_REGISTRY.entry(name)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from torchrig import arguments
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -65,7 +67,7 @@ def mesh_sizes(
 
 
 def check_sizes(data_parallel_replicate: Any, data_parallel_shard: Any, tensor_parallel: Any) -> None:
-    """ValueError naming the argument that is not a positive int (``data_parallel_shard`` may be ``"auto"``)."""
+    """ValueError naming the argument that is not an int >= 1 (``data_parallel_shard`` may be ``"auto"``)."""
     for name, value in (
         ("data_parallel_replicate", data_parallel_replicate),
         ("data_parallel_shard", data_parallel_shard),
@@ -73,9 +75,7 @@ def check_sizes(data_parallel_replicate: Any, data_parallel_shard: Any, tensor_p
     ):
         if name == "data_parallel_shard" and value == "auto":
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            extra = " or 'auto'" if name == "data_parallel_shard" else ""
-            raise ValueError(f"{name}={value!r} must be a positive int{extra}")
+        arguments.int_in_range(name, value, 1, hint=" (or 'auto')" if name == "data_parallel_shard" else "")
 
 
 def _valid_choice(world_size: int, tensor_parallel: int) -> str:

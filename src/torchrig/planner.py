@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchrig import parallel
+from torchrig import arguments, parallel
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,6 @@ class RankPlan:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     def layout(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
         """What distinguishes this rank's layout from another's (not which rank it is)."""
@@ -230,8 +226,7 @@ def plan(
 
     from torchrig.strategies.model_parallel import ModelParallelStrategy
 
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int (devices x num_nodes)")
+    arguments.int_in_range("world_size", world_size, 1, hint=" (devices x num_nodes)")
     store_dtype, compute_dtype = _dtypes(precision)
     strategy = ModelParallelStrategy(
         parallelize=parallelize,

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchrig.fp8 import FP8_PRECISION, FP8Mixed
+from torchrig.devices import device_module
+from torchrig.fp8 import FP8_PRECISION, FP8Mixed, convert, fp8_unsupported_reason, require_torchao
 from torchrig.nested import apply_to_tensors
 
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -55,11 +56,7 @@ def normalize_precision(precision: Any) -> str:
 def _probe_dtype(device_type: str, dtype: torch.dtype) -> bool:
     if device_type == "cpu":
         return True
-    mod = None
-    try:
-        mod = torch.get_device_module(device_type)
-    except Exception:
-        pass
+    mod = device_module(device_type)
     if dtype is torch.bfloat16 and mod is not None and hasattr(mod, "is_bf16_supported"):
         try:
             return bool(mod.is_bf16_supported())
@@ -191,8 +188,6 @@ class Precision:
 
     def _check_fp8(self) -> None:
         """fp8-mixed needs bf16 autocast, torchao, and float8 matmul on the device: else an error."""
-        from torchrig.fp8 import fp8_unsupported_reason, require_torchao
-
         device_type = self.device_type
         can = supported_precisions(device_type)
         if "bf16-mixed" not in can:
@@ -227,8 +222,6 @@ class Precision:
         ``fp8-mixed``, swap the chosen ``nn.Linear`` layers for torchao ``Float8Linear`` (see
         :mod:`torchrig.fp8`)."""
         if self.fp8 is not None:
-            from torchrig.fp8 import convert
-
             return convert(module, self.fp8)
         return module.to(dtype=self.param_dtype) if self.converts else module
 

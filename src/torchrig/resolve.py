@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from torchrig.accelerators import ACCELERATOR_REGISTRY, Accelerator, ensure_registered
+from torchrig.arguments import int_in_range
 from torchrig.fp8 import FP8_PRECISION, FP8Mixed
 from torchrig.precision import NAMES, Precision, normalize_precision
 from torchrig.strategies import STRATEGY_REGISTRY, Strategy
@@ -286,17 +287,12 @@ def resolve(
         >>> plan.precision.name, plan.strategy
         ('bf16-mixed', SingleDeviceStrategy())
     """
-    nodes = default("num_nodes", num_nodes)
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        raise ValueError(f"num_nodes={nodes!r} must be a positive int (the number of machines)")
+    nodes = int_in_range("num_nodes", default("num_nodes", num_nodes), 1, hint=" (the number of machines)")
     acc = resolve_accelerator(default("accelerator", accelerator))
     strategy = with_carried("strategy", strategy, acc)
     precision = with_carried("precision", precision, acc)
     devs = resolve_devices(acc, default("devices", devices))
     strat = resolve_strategy(default("strategy", strategy), devs, nodes)
     prec = resolve_precision(default("precision", precision), devs[0].type)
-    strat.accelerator = acc
-    strat.parallel_devices = devs
-    strat.precision = prec
-    strat.num_nodes = nodes
+    strat.bind(accelerator=acc, devices=devs, precision=prec, num_nodes=nodes)
     return Plan(accelerator=acc, strategy=strat, precision=prec, devices=tuple(devs), num_nodes=nodes)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
-from torchrig import arguments, speedups
+from torchrig import arguments, checkpoint, gather, speedups
 from torchrig.accelerators import Accelerator
 from torchrig.data import RigDataLoader, rebuild_with_sampler
 from torchrig.fp8 import FP8Mixed
@@ -29,7 +29,7 @@ from torchrig.precision import Precision
 from torchrig.preemption import SignalsLike, SignalWatch, resolve_signals
 from torchrig.resolve import Plan, resolve
 from torchrig.strategies import Strategy
-from torchrig.strategies.base import reset_parameters
+from torchrig.strategies.base import check_reduce_op, reset_parameters
 from torchrig.wrappers import RigModule, RigOptimizer, wrap_optimizer
 
 if TYPE_CHECKING:
@@ -101,7 +101,11 @@ class Rig:
                 self.strategy.timeout = seconds
         # Weak, so an object that died cannot make a new one at the same id() look prepared.
         self._prepared: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        self._loaders: list[RigDataLoader] = []
+        self._loaders: list[RigDataLoader] = []  # what this Rig prepared (tune.lr_find drops its sweep loader)
+        #: The prepared loader that yielded the batch being processed: the last one of this Rig's
+        #: prepared loaders to give out a batch (None before the first). ``gather_for_metrics``
+        #: reads it to drop the duplicates a distributed sampler pads that loader's last batch with.
+        self.current_loader: RigDataLoader | None = None
         self._launched = False
         self._signal_watch: SignalWatch | None = None
         self._pending_save: SaveHandle | None = None  # rig.save(..., blocking=False) under way
@@ -269,9 +273,15 @@ class Rig:
         )
         if rebuilt is None and self.world_size > 1:
             rebuilt = self.strategy.process_dataloader(loader)
-        wrapped = RigDataLoader(rebuilt if rebuilt is not None else loader, device=self.device, seed=seed)
+        wrapped = RigDataLoader(
+            rebuilt if rebuilt is not None else loader, device=self.device, seed=seed, on_batch=self._batch_from
+        )
         self._loaders.append(wrapped)
         return wrapped
+
+    def _batch_from(self, loader: RigDataLoader) -> None:
+        """``on_batch`` of the loaders this Rig prepares: ``loader`` has just yielded a batch."""
+        self.current_loader = loader
 
     # -- the step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -381,8 +391,6 @@ class Rig:
 
     def all_reduce(self, obj: Any, op: str = "mean") -> Any:
         """Reduce tensors across processes with ``op`` in ``mean``, ``sum``, ``max``, ``min``."""
-        from torchrig.strategies.base import check_reduce_op
-
         check_reduce_op(op)
         return apply_to_tensors(obj, lambda t: self.strategy.all_reduce(t, op=op))
 
@@ -428,10 +436,10 @@ class Rig:
 
     def gather_for_metrics(self, obj: Any) -> Any:
         """``all_gather`` flattened to one batch dimension, without the duplicate samples a
-        distributed sampler pads the last batch with."""
-        from torchrig.strategies.gather import gather_for_metrics
+        distributed sampler pads the last batch with (the batch :attr:`current_loader` gave out).
 
-        return gather_for_metrics(self, obj)
+        See :func:`torchrig.gather.gather_for_metrics`."""
+        return gather.gather_for_metrics(self, obj)
 
     # -- checkpoints -----------------------------------------------------------------------
     @overload
@@ -481,8 +489,6 @@ class Rig:
         ``blocking=False`` returns a :class:`~torchrig.checkpoint.SaveHandle` once a snapshot is
         taken; the files are written in the background (docs/checkpoints.md, "Async saves").
         """
-        from torchrig import checkpoint
-
         saved = checkpoint.save(self, path, state, keep_last=keep_last, link=link, blocking=blocking)
         if isinstance(saved, Path):
             self.strategy.record_progress()  # for the crash-loop check of torchrun restarts
@@ -494,8 +500,6 @@ class Rig:
         self, path: str | os.PathLike[str], state: dict[str, Any] | None = None, strict: bool = True
     ) -> dict[str, Any]:
         """Load a checkpoint into the objects of ``state`` in place; returns what is left over."""
-        from torchrig import checkpoint
-
         return checkpoint.load(self, path, state, strict=strict)
 
 

@@ -213,6 +213,7 @@ def test_an_explicit_argument_equal_to_the_carried_one_is_fine() -> None:
     rig = Rig(accelerator=CPUAccelerator(strategy=strategy), strategy="single")
     assert rig.strategy is strategy  # the name builds that object: the carried object is kept
     precision = Precision(name="16-true", device_type="cpu")
+    strategy = SingleDeviceStrategy()  # an instance lays out one Rig's run (Strategy.bind)
     rig = Rig(accelerator=CPUAccelerator(precision=precision), precision="16-true", strategy=strategy)
     assert rig.precision is precision and rig.strategy is strategy
 

@@ -79,7 +79,7 @@ def test_split_fractions_are_checked() -> None:
 def test_datamodule_needs_setup_and_a_positive_batch_size() -> None:
     from torchrig.demo.data import DigitsDataModule
 
-    with pytest.raises(ValueError, match="batch_size=0 must be a positive int"):
+    with pytest.raises(ValueError, match=r"batch_size=0 must be an int >= 1 \(default 64\)"):
         DigitsDataModule(batch_size=0)
     with pytest.raises(RuntimeError, match=r"setup\(stage\) must run before"):
         DigitsDataModule().train_dataloader()
@@ -88,7 +88,7 @@ def test_datamodule_needs_setup_and_a_positive_batch_size() -> None:
 def test_model_shapes_and_schedule() -> None:
     model = DigitsCNN(width=4)
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
-    with pytest.raises(ValueError, match="width=0 must be a positive int"):
+    with pytest.raises(ValueError, match=r"width=0 must be an int >= 1 \(default 16\)"):
         DigitsCNN(width=0)
     assert cosine_factor(0, 10) == 1.0
     assert cosine_factor(5, 10) == pytest.approx(0.5)

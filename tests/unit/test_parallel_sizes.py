@@ -46,10 +46,11 @@ def test_sizes_that_do_not_multiply_to_the_world_show_the_arithmetic_and_a_valid
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tensor_parallel": 0}, "tensor_parallel=0 must be a positive int"),
-        ({"data_parallel_replicate": 1.5}, "data_parallel_replicate=1.5 must be a positive int"),
-        ({"data_parallel_shard": "all"}, "data_parallel_shard='all' must be a positive int or 'auto'"),
-        ({"tensor_parallel": True}, "tensor_parallel=True must be a positive int"),
+        ({"tensor_parallel": 0}, "tensor_parallel=0 must be an int >= 1"),
+        ({"data_parallel_replicate": 1.5}, "data_parallel_replicate=1.5 must be an int, not float"),
+        ({"data_parallel_shard": "all"}, r"data_parallel_shard='all' must be an int, not str \(or 'auto'\)"),
+        ({"data_parallel_shard": 0}, r"data_parallel_shard=0 must be an int >= 1 \(or 'auto'\)"),
+        ({"tensor_parallel": True}, "tensor_parallel=True must be an int, not bool"),
     ],
 )
 def test_strategy_refuses_bad_sizes_when_made(kwargs: dict[str, object], message: str) -> None:

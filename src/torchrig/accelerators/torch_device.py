@@ -8,26 +8,17 @@ from ``torch.get_device_module(device_type)``, so no vendor needs an ``if`` of i
 from __future__ import annotations
 
 import platform
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchrig.accelerators.base import Accelerator
-from torchrig.devices import select_indices
+from torchrig.devices import device_module, select_indices, set_device_index
 
 if TYPE_CHECKING:
     from torchrig.fp8 import FP8Mixed
     from torchrig.precision import Precision
     from torchrig.strategies.base import Strategy
-
-
-def device_module(device_type: str) -> ModuleType | None:
-    """``torch.cuda``, ``torch.mps``, ``torch.xpu``, ``torch.<privateuse1>``..., or None."""
-    try:
-        return torch.get_device_module(device_type)
-    except (RuntimeError, AttributeError, ValueError):
-        return None
 
 
 def torch_build() -> str:
@@ -155,8 +146,6 @@ class TorchDeviceAccelerator(Accelerator):
             RuntimeError: the backend is registered with PyTorch but has no kernels/allocator
                 (a device module registered from Python only), so no tensor can live on it.
         """
-        from torchrig.devices import set_device_index
-
         if device.index is not None:
             set_device_index(device.index)
         try:

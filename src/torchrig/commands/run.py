@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from torchrig.preemption import stopped_for_signal
-from torchrig.resolve import ENV_DEFAULTS
+from torchrig.resolve import ENV_DEFAULTS, resolve_accelerator, resolve_devices
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -52,8 +52,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def process_count(accelerator: str | None, devices: str) -> int:
     """How many processes ``--devices`` means on this machine for ``--accelerator``."""
-    from torchrig.resolve import resolve_accelerator, resolve_devices
-
     acc = resolve_accelerator(accelerator or "auto")
     spec: Any = devices
     if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():

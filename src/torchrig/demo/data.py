@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from torchrig import arguments
 from torchrig.demo import require_extras
 from torchrig.trainer.datamodule import DataModule
 
@@ -86,8 +87,7 @@ class DigitsDataModule(DataModule):
     def __init__(
         self, *, batch_size: int = 64, split_seed: int = 0, val_fraction: float = 0.1, test_fraction: float = 0.2
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive int (default 64)")
+        arguments.int_in_range("batch_size", batch_size, 1, hint=" (default 64)")
         self.batch_size = batch_size
         self.split_seed = split_seed
         self.val_fraction = val_fraction

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchrig import arguments
 from torchrig.trainer.module import TrainingModule
 
 
@@ -37,8 +38,7 @@ class DigitsCNN(TrainingModule):
 
     def __init__(self, *, width: int = 16, lr: float = 5e-3, weight_decay: float = 1e-4) -> None:
         super().__init__()
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise ValueError(f"width={width!r} must be a positive int (default 16)")
+        arguments.int_in_range("width", width, 1, hint=" (default 16)")
         self.lr = lr
         self.weight_decay = weight_decay
         wide = 2 * width

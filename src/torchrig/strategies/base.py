@@ -26,12 +26,12 @@ REDUCE_OPS = ("mean", "sum", "max", "min")
 class Strategy:
     """The process layout of a run. Subclass it for a new layout and register it by name.
 
-    Attributes set by :func:`torchrig.resolve.resolve` before use: ``accelerator``,
-    ``parallel_devices``, ``precision`` and ``num_nodes``.
+    A strategy lays out one run: :func:`torchrig.resolve.resolve` (which ``Rig`` and ``Trainer``
+    call) gives it the run's ``accelerator``, ``parallel_devices``, ``precision`` and
+    ``num_nodes`` through :meth:`bind`, once. A strategy instance passed to ``Rig(strategy=...)``
+    (or carried by an accelerator) is that Rig's from then on; a second Rig refuses it.
     """
 
-    #: True when the strategy runs more than one process and shards data across them.
-    distributed: ClassVar[bool] = False
     #: True when checkpoints are written as shards by every rank (torch.distributed.checkpoint).
     sharded: ClassVar[bool] = False
     #: True when ``setup_module`` itself materialises parameters created on ``meta``.
@@ -42,6 +42,28 @@ class Strategy:
         self.parallel_devices: list[torch.device] = [torch.device("cpu")]
         self.precision: Precision | None = None
         self.num_nodes: int = 1
+        self._bound = False
+
+    def bind(
+        self, *, accelerator: Accelerator, devices: list[torch.device], precision: Precision, num_nodes: int
+    ) -> None:
+        """Give the strategy the run it lays out (called by :func:`~torchrig.resolve.resolve`).
+
+        Raises:
+            ValueError: the strategy was bound before: it already lays out another Rig's run
+                (its devices, process group and launcher), so each Rig needs its own instance.
+        """
+        if getattr(self, "_bound", False):  # a subclass may skip Strategy.__init__
+            raise ValueError(
+                f"strategy={self!r} is already used by another Rig or Trainer: a Strategy instance lays out "
+                f"one run (its devices, precision and process group). Give each Rig/Trainer its own instance "
+                f"({type(self).__name__}(...)), or a strategy name such as 'ddp'"
+            )
+        self.accelerator = accelerator
+        self.parallel_devices = list(devices)
+        self.precision = precision
+        self.num_nodes = num_nodes
+        self._bound = True
 
     # -- layout ---------------------------------------------------------------------------
     @property

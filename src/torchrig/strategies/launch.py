@@ -34,7 +34,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchrig.preemption import stopped_for_signal
+from torchrig.devices import device_module
+from torchrig.preemption import Preempted, stopped_for_signal
 from torchrig.strategies.environment import ClusterEnvironment, find_free_port
 
 #: Set in processes started by :class:`SubprocessLauncher`: the pid of the rank-0 process.
@@ -386,8 +387,6 @@ def spawn(
             if not stopped_for_signal(err.exit_code):
                 raise
             # The workers stopped together for a signal after saving (torchrig.Preempted): so does this one.
-            from torchrig.preemption import Preempted
-
             code = err.exit_code
             raise Preempted(-code if code < 0 else code - 128) from None
         if not os.path.exists(result_path):
@@ -423,10 +422,8 @@ def _pickled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _check_fork_safe() -> None:
-    import torch
-
     for device_type in ("cuda", "xpu"):
-        mod = getattr(torch, device_type, None)
+        mod = device_module(device_type)
         initialized = getattr(mod, "is_initialized", None)
         if callable(initialized) and initialized():
             raise RuntimeError(

@@ -43,7 +43,6 @@ class ParallelStrategy(Strategy):
             ``"popen"`` re-runs the script, ``"spawn"``/``"fork"`` start ``rig.launch(fn)`` workers.
     """
 
-    distributed = True
     #: Strategy name used in messages.
     name = "parallel"
 

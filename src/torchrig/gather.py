@@ -1,4 +1,4 @@
-"""``gather_for_metrics``: gather a batch from every rank, in dataset order, without padding.
+"""``Rig.gather_for_metrics``: gather a batch from every rank, in dataset order, without padding.
 
 A distributed sampler gives every rank the same number of samples, so when the dataset does not
 split evenly it repeats the first few indices at the end of the epoch. Metrics computed over
@@ -26,15 +26,15 @@ if TYPE_CHECKING:
 def _padding_of_current_batch(rig: Rig, batch_size: int) -> int:
     """How many padded rows the batch being gathered holds: non-zero only on a padded last batch.
 
-    The batch is the one the prepared loader that yielded most recently has just given out
-    (``RigDataLoader.yielded_at``): its padding counts when that was the epoch's last batch, the
-    sampler pads, and the gathered tensor has the last batch's number of rows.
+    The batch is the one :attr:`Rig.current_loader <torchrig.Rig.current_loader>` (the prepared
+    loader that yielded most recently) has just given out: its padding counts when that was the
+    epoch's last batch, the sampler pads, and the gathered tensor has the last batch's number of rows.
     """
-    if not rig._loaders:
+    loader = rig.current_loader
+    if loader is None:
         return 0
-    loader = max(rig._loaders, key=lambda candidate: candidate.yielded_at)
     sampler = getattr(loader.loader, "sampler", None)
-    if not isinstance(sampler, ResumableSampler) or loader.yielded_at < 0:
+    if not isinstance(sampler, ResumableSampler):
         return 0
     pad, steps = sampler.total_size - len(sampler.data_source), len(loader)
     if pad <= 0 or steps == 0 or loader.batches_seen != steps:
