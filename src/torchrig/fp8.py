@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchrig.devices import device_module
+
 __all__ = ["FP8_PRECISION", "FP8Mixed", "convert", "fp8_unsupported_reason", "require_torchao"]
 
 #: The name of the precision.
@@ -111,9 +113,10 @@ def fp8_unsupported_reason(device_type: str) -> str | None:
                 f"{name} has CUDA compute capability {capability[0]}.{capability[1]}; float8 matmul needs "
                 f"{MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]} or newer (Ada Lovelace, Hopper, Blackwell)"
             )
+    current = getattr(device_module(device_type), "current_device", None)
     try:
-        device = torch.device(device_type, torch.get_device_module(device_type).current_device())
-    except Exception:
+        device = torch.device(device_type, current()) if callable(current) else torch.device(device_type)
+    except Exception:  # a backend that cannot say its current device: probe its default one
         device = torch.device(device_type)
     return _probe_scaled_mm(device)
 
