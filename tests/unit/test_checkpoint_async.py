@@ -123,7 +123,7 @@ def test_the_snapshot_keeps_shared_storage_and_copies_it_once() -> None:
 
 
 def state_host(tree: Any) -> Any:
-    from torchrig.checkpoint.background import to_host
+    from torchrig.checkpoint.snapshot import to_host
 
     return to_host(tree)
 
@@ -370,19 +370,19 @@ def test_a_full_disk_in_a_background_sharded_save_is_raised_at_the_next_save(
 def test_the_optimizer_state_is_copied_in_the_background_and_the_next_step_waits_for_it(
     rig: torchrig.Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torchrig.checkpoint import background
+    from torchrig.checkpoint import snapshot
 
     model, opt = _trained()
     moment = opt.state[model[0].weight]["exp_avg"].clone()
     held, log = threading.Event(), []
-    real = background._copy_later
+    real = snapshot._copy_later
 
     def copy_later(later: Any) -> None:
         held.wait(30)
         real(later)
         log.append("copied")
 
-    monkeypatch.setattr(background, "_copy_later", copy_later)
+    monkeypatch.setattr(snapshot, "_copy_later", copy_later)
     handle = rig.save(tmp_path / "ck", {"model": model, "optimizer": opt}, blocking=False)
     model(torch.randn(3, 4)).sum().backward()  # the next forward and backward run meanwhile
     threading.Timer(0.3, held.set).start()
@@ -397,18 +397,18 @@ def test_the_optimizer_state_is_copied_in_the_background_and_the_next_step_waits
 def test_optimizer_state_changed_before_its_background_copy_is_refused(
     rig: torchrig.Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torchrig.checkpoint import background
+    from torchrig.checkpoint import snapshot
 
     model, opt = _trained()
     rig.save(tmp_path / "ck", {"model": model, "optimizer": opt, "step": 1})
     held = threading.Event()
-    real = background._copy_later
+    real = snapshot._copy_later
 
     def copy_later(later: Any) -> None:
         held.wait(30)
         real(later)
 
-    monkeypatch.setattr(background, "_copy_later", copy_later)
+    monkeypatch.setattr(snapshot, "_copy_later", copy_later)
     handle = rig.save(tmp_path / "ck", {"model": model, "adam": opt, "step": 2}, blocking=False)
     with torch.no_grad():
         opt.state[model[0].weight]["exp_avg"].mul_(0.5)  # not through optimizer.step()

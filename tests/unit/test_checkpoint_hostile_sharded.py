@@ -261,7 +261,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     ids=["persistent id", "INST", "no such opcode"],
 )
 def test_opcodes_a_metadata_file_never_holds_are_refused(tmp_path: Path, data: bytes, message: str) -> None:
-    from torchrig.checkpoint.sharded import parse_dcp_metadata
+    from torchrig.checkpoint.dcp_safe import parse_dcp_metadata
 
     with pytest.raises(CheckpointError, match=re.escape(f"refusing to load {tmp_path / '.metadata'}: {message}")):
         parse_dcp_metadata(tmp_path / ".metadata", data, files=["__0_0.distcp"])

@@ -146,7 +146,7 @@ def test_dcp_metadata_and_byte_items_never_run_code(tmp_path: Path) -> None:
 
     import torch.distributed.checkpoint as dcp
 
-    from torchrig.checkpoint.sharded import _safe_planner, read_dcp_metadata
+    from torchrig.checkpoint.dcp_safe import read_dcp_metadata, safe_planner
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that no process group is initialised
@@ -166,5 +166,5 @@ def test_dcp_metadata_and_byte_items_never_run_code(tmp_path: Path) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
 
         with pytest.raises(CheckpointException, match="Weights only load failed"):
-            dcp.load({"extra": None}, checkpoint_id=tmp_path / "bytes", planner=_safe_planner())
+            dcp.load({"extra": None}, checkpoint_id=tmp_path / "bytes", planner=safe_planner())
         assert not marker.exists()

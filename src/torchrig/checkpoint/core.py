@@ -14,7 +14,7 @@ import torch
 
 from torchrig import arguments
 from torchrig.checkpoint import sharded
-from torchrig.checkpoint.background import SaveHandle, host_buffers, settle_pending, to_host
+from torchrig.checkpoint.background import SaveHandle, settle_pending
 from torchrig.checkpoint.entries import base_meta, check_key, collect
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.files import (
@@ -34,6 +34,7 @@ from torchrig.checkpoint.meta import STATE_FILE, STATE_TENSORS
 from torchrig.checkpoint.reading import VerifiedReader, read_meta, read_torch_once
 from torchrig.checkpoint.restore import apply_loaded, update_values
 from torchrig.checkpoint.rounds import all_ranks_arrive, shared_outcome
+from torchrig.checkpoint.snapshot import host_buffers, to_host
 from torchrig.checkpoint.storable import check_weights_only
 from torchrig.checkpoint.tensors import (
     add_tensor_files,

@@ -10,6 +10,7 @@ torchrig checkpoint (:mod:`torchrig.checkpoint.peers`).
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 
@@ -111,8 +112,6 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    import json
-
     from torchrig.checkpoint import describe
 
     info = describe(args.path)

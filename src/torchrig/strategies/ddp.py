@@ -14,7 +14,13 @@ from torchrig.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
-    """The user's module inside a prepared ``RigModule`` and/or ``DistributedDataParallel``."""
+    """The module inside a prepared ``RigModule`` and/or ``DistributedDataParallel``: what the
+    strategy wrapped. A ``torch.compile(model)`` wrapper (``OptimizedModule``) given as it is stays
+    (its state-dict keys start with ``_orig_mod.``).
+
+    Checkpoints use :func:`torchrig.checkpoint.entries.user_module` instead, which removes that
+    wrapper too, so that the keys are the model's own, compiled or not.
+    """
     from torchrig.wrappers import RigModule
 
     if isinstance(module, RigModule):
