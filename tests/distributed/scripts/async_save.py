@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +54,21 @@ def ddp(rig: torchrig.Rig, folder: Path) -> dict[str, Any]:
     fresh, fresh_opt = _model(rig, "ddp")
     left = rig.load(folder / "last", {"model": fresh, "optimizer": fresh_opt})
     same = all(torch.equal(v, before[k]) for k, v in _full(rig, fresh).items())
+    reached = threading.Event()
     if rig.is_global_zero:  # a full disk on rank 0 only, during the next background save
         real = tensors.write_safetensors
 
         def no_space(path: Path, *args: Any, **kwargs: Any) -> str:
+            reached.set()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
         tensors.write_safetensors = no_space
     rig.save(folder / "b", {"model": model, "step": 3}, blocking=False)
     _step(rig, model, optimizer, 4)
     if rig.is_global_zero:
+        # the disk is "freed" only once the background writer met it full (on a loaded machine
+        # the writer thread may not have reached the tensors yet when the step is over)
+        assert reached.wait(60), "the background save never wrote its tensors"
         tensors.write_safetensors = real
     try:
         rig.save(folder / "c", {"model": model, "step": 4})
