@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -251,3 +252,23 @@ def test_consolidate_prefixes_several_modules(rig: torchrig.Rig, tmp_path: Path)
     assert set(tensors) == {"generator.weight", "generator.bias", "critic.weight", "critic.bias"}
     with pytest.raises(ValueError, match="holds no module weights to consolidate"):
         consolidate(rig.save(tmp_path / "values", {"step": 1}), tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("soon", "TORCHRIG_SAVE_ARRIVAL_TIMEOUT='soon' must be a number of seconds, such as 60"),
+        ("-1", "TORCHRIG_SAVE_ARRIVAL_TIMEOUT=-1.0 must be a finite number >= 0"),
+        ("nan", "TORCHRIG_SAVE_ARRIVAL_TIMEOUT=nan must be a finite number >= 0"),
+    ],
+)
+def test_the_arrival_timeout_variable_is_checked(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
+    from torchrig.checkpoint import rounds
+
+    monkeypatch.setenv("TORCHRIG_SAVE_ARRIVAL_TIMEOUT", value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rounds.arrival_warning_seconds()
+    monkeypatch.setenv("TORCHRIG_SAVE_ARRIVAL_TIMEOUT", "2.5")
+    assert rounds.arrival_warning_seconds() == 2.5
+    monkeypatch.delenv("TORCHRIG_SAVE_ARRIVAL_TIMEOUT")
+    assert rounds.arrival_warning_seconds() == 60.0

@@ -375,6 +375,18 @@ def test_what_is_not_a_checkpoint_is_a_clear_error(tmp_path: Path, capsys: pytes
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 
 
+def test_a_seed_numpy_cannot_take_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchrig.checkpoint.peers import import_checkpoint
+
+    with pytest.raises(TypeError, match=r"seed=True must be an int, not bool \(NumPy's seeds\)"):
+        import_checkpoint(LIGHTNING, tmp_path / "out", seed=True)  # type: ignore[arg-type]
+    code, _, err = run_import(capsys, LIGHTNING, tmp_path / "out", "--seed", "-1")
+    assert code == 1 and "seed=-1 must be an int in [0, 4294967295] (NumPy's seeds)" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.timeout(60)
 def test_importing_again_replaces_the_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_import(capsys, ACCELERATE, tmp_path / "ck")[0] == 0

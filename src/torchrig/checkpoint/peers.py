@@ -42,6 +42,7 @@ import safetensors.torch
 import torch
 from torch.optim import lr_scheduler
 
+from torchrig import arguments
 from torchrig.checkpoint.core import write
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import META
@@ -117,6 +118,7 @@ def import_checkpoint(
     Returns:
         An :class:`Imported` with the path written, a line per entry and the warnings.
     """
+    arguments.int_in_range("seed", seed, 0, 2**32 - 1, hint=" (NumPy's seeds)")
     src, target = Path(path), Path(out).absolute()
     if src.is_file():
         src = src.resolve()  # the file a link names (files inside an Accelerate folder must be regular)

@@ -12,9 +12,22 @@ from typing import Any
 
 import torch.distributed as dist
 
+from torchrig import arguments
+
 _RESULT = "torchrig/save/{}/result".format  # rank zero's outcome of save round n: "" or "Type: message"
 _arrived = [0]  # rig.save calls every rank arrived at, counted alike on every rank
 ARRIVAL_TIMEOUT_ENV = "TORCHRIG_SAVE_ARRIVAL_TIMEOUT"
+
+
+def arrival_warning_seconds() -> float:
+    """How long ``rig.save`` waits for the other ranks before it warns: ``TORCHRIG_SAVE_ARRIVAL_TIMEOUT``
+    seconds (60 when unset)."""
+    text = os.environ.get(ARRIVAL_TIMEOUT_ENV, "60")
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{ARRIVAL_TIMEOUT_ENV}={text!r} must be a number of seconds, such as 60") from None
+    return arguments.finite_at_least(ARRIVAL_TIMEOUT_ENV, seconds)
 
 
 def all_ranks_arrive(rig: Any, target: Path) -> int | None:
@@ -32,12 +45,12 @@ def all_ranks_arrive(rig: Any, target: Path) -> int | None:
     same on every rank; it names the store key of rank zero's outcome, :class:`SharedOutcome`),
     or None without a process group's store.
     """
+    warn_after = arrival_warning_seconds()
     try:
         store = dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):  # no default group, or a torch without the store
         return None
     n = _arrived[0]
-    warn_after = float(os.environ.get(ARRIVAL_TIMEOUT_ENV, "60"))
     group_timeout = getattr(getattr(rig, "strategy", None), "timeout", None)
     limit = group_timeout.total_seconds() if isinstance(group_timeout, datetime.timedelta) else 1800.0
     key = "torchrig/save/{}/{}".format
