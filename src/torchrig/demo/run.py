@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from torchrig.checkpoint.entries import module_counts
-from torchrig.checkpoint.files import read_meta, resolve_checkpoint
+from torchrig.checkpoint.files import resolve_checkpoint
+from torchrig.checkpoint.reading import read_meta
 from torchrig.demo.data import DigitsDataModule
 from torchrig.demo.model import DigitsCNN
 from torchrig.demo.plot import plot_learning_curves
