@@ -42,8 +42,12 @@ def qualname(obj: Any) -> str:
     the user's module inside its wrappers. ``meta.json`` records it for every entry."""
     if isinstance(obj, RigOptimizer):
         obj = obj.optimizer
-    t = type(user_module(obj)) if isinstance(obj, nn.Module) else type(obj)
-    return f"{t.__module__}.{t.__qualname__}"
+    return class_name(type(user_module(obj)) if isinstance(obj, nn.Module) else type(obj))
+
+
+def class_name(cls: type) -> str:
+    """``module.Class``, as ``meta.json`` names the class of an entry."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def check_key(key: Any) -> str:

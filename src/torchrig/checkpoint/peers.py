@@ -44,6 +44,7 @@ from torch.optim import lr_scheduler
 
 from torchrig import arguments
 from torchrig.checkpoint.core import write
+from torchrig.checkpoint.entries import class_name
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import META
 from torchrig.checkpoint.reading import read_regular, safe_torch_load
@@ -485,10 +486,6 @@ def _names(sd: dict[str, Any]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _given_class(given: str, base: type, flag: str) -> str:
     module, _, attr = given.rpartition(".")
     try:
@@ -498,8 +495,8 @@ def _given_class(given: str, base: type, flag: str) -> str:
     except AttributeError:
         cls = None
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ValueError(f"{flag} {given!r} is not a {_qualname(base)} class; give one such as {_example(base)}")
-    return _qualname(cls)
+        raise ValueError(f"{flag} {given!r} is not a {class_name(base)} class; give one such as {_example(base)}")
+    return class_name(cls)
 
 
 def _example(base: type) -> str:
@@ -548,7 +545,7 @@ def _optimizer_defaults() -> tuple[tuple[str, dict[str, Any]], ...]:
                 group = make([torch.zeros(2, 2, requires_grad=True)]).param_groups[0]
         except Exception:  # an optimizer that needs arguments: name it with --optimizer
             continue
-        out.append((_qualname(cls), {k: v for k, v in group.items() if k != "params"}))
+        out.append((class_name(cls), {k: v for k, v in group.items() if k != "params"}))
     return tuple(out)
 
 
@@ -566,7 +563,7 @@ def _scheduler_class(sd: Any, given: str | None, where: str) -> tuple[str, str]:
         params = inspect.signature(cls.__init__).parameters.values()
         args = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         if args - {"self", "optimizer", "last_epoch", "verbose"} == own:
-            found.append(_qualname(cls))
+            found.append(class_name(cls))
     if len(found) != 1:
         which = f"it could be {' or '.join(found)}" if found else "no torch.optim.lr_scheduler class has these fields"
         raise ValueError(
