@@ -274,13 +274,6 @@ class Precision:
             loss = self.scaler.scale(loss)
         loss.backward(**kwargs)
 
-    def backward_function(self) -> Callable[..., None]:
-        """:meth:`backward`, for calling once per batch: ``torch.Tensor.backward`` itself when
-        there is nothing to scale. A training loop's few Python calls per step are each worth
-        about a microsecond there (the step's kernels have emptied the caches), so the Trainer
-        skips this one where it adds nothing."""
-        return torch.Tensor.backward if self.scaler is None else self.backward
-
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the gradients of ``optimizer`` in place (once per step) before clipping."""
         if self.scaler is None:

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.utils.data import DataLoader
 
+from torchrig import arguments
 from torchrig.checkpoint.rng import capture_rng, restore_rng
 from torchrig.data import RigDataLoader
-from torchrig.trainer import loops, runner
+from torchrig.trainer import loops, stages
 from torchrig.trainer.metrics import MetricStore
 from torchrig.trainer.module import TrainingModule, parse_optimizers
 from torchrig.wrappers import RigOptimizer
@@ -94,8 +95,7 @@ class LRFinderResult:
         import numpy as np
 
         for name, value in (("skip_begin", skip_begin), ("skip_end", skip_end)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be an int >= 0")
+            arguments.int_in_range(name, value, 0)
         end = len(self.losses) - skip_end
         if end - skip_begin < 2:
             raise ValueError(
@@ -188,7 +188,8 @@ def lr_find(
     if not isinstance(module, TrainingModule):
         raise TypeError(f"lr_find() takes a torchrig.TrainingModule, got {type(module).__name__}")
     sweep = _Sweep(float(min_lr), float(max_lr), int(num_training), early_stop_threshold)
-    return cast(LRFinderResult, trainer._launch(_run_lr_find, module, train_dataloaders, datamodule, sweep))
+    found = stages.launch(trainer, _run_lr_find, module, module, train_dataloaders, datamodule, sweep)
+    return cast(LRFinderResult, found)
 
 
 @dataclass
@@ -222,22 +223,22 @@ def _check_args(min_lr: Any, max_lr: Any, num_training: Any, threshold: Any) -> 
 def _run_lr_find(
     tr: Trainer, module: TrainingModule, train: Any, datamodule: DataModule | None, sweep: _Sweep
 ) -> LRFinderResult:
-    """What each process runs (through ``Trainer._launch``, so spawned strategies work too)."""
+    """What each process runs (through ``stages.launch``, so spawned strategies work too)."""
     if not module.automatic_optimization:
         raise ValueError(
             f"lr_find() steps the optimizer itself, but {type(module).__name__} sets automatic_optimization = False"
         )
     rng = capture_rng(tr.rig.device)  # the state a later fit starts from, put back at the end
-    runner._begin(tr, module, "fit")
+    stages.begin(tr, module, "fit")
     try:
-        runner._setup(tr, module, datamodule, "fit")
+        stages.setup(tr, module, datamodule, "fit")
         if train is None and datamodule is not None:
             train = datamodule.train_dataloader()
         if train is None:
             raise ValueError(
                 "lr_find() needs training data: pass train_dataloaders= or a datamodule= with train_dataloader()"
             )
-        prepared = runner._prepare_module(tr, module)
+        prepared = stages.prepare_module(tr, module)
         optimizers, _ = parse_optimizers(module.configure_optimizers())
         if len(optimizers) != 1:
             raise ValueError(
@@ -255,7 +256,7 @@ def _run_lr_find(
             if loader in tr.rig._loaders:
                 tr.rig._loaders.remove(loader)
     finally:
-        runner._teardown(tr, module, datamodule, "fit")
+        stages.teardown(tr, module, datamodule, "fit")
         restore_rng(rng, tr.rig.device)
 
 
@@ -287,8 +288,8 @@ class _Restored:
         self.precision_state = _deep_clone(tr.rig.precision.state_dict())
         self.position = vars(self.loader).copy()
         self.modes = [(m, m.training) for m in self.module.modules()]
-        self.metrics = tr._active_metrics, tr._logging_in_step
-        tr._active_metrics, tr._logging_in_step = MetricStore(device=tr.rig.device, rig=tr.rig), True
+        self.sink = tr.run.log_into(MetricStore(device=tr.rig.device, rig=tr.rig), in_step=True)
+        self.sink.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         tr = self.tr
@@ -302,7 +303,7 @@ class _Restored:
         vars(self.loader).update(self.position)
         for m, mode in self.modes:
             m.training = mode
-        tr._active_metrics, tr._logging_in_step = self.metrics
+        self.sink.__exit__(*exc)
 
 
 def _deep_clone(state: Any) -> Any:
@@ -317,9 +318,8 @@ def _deep_clone(state: Any) -> Any:
 
 def _sweep_loop(tr: Trainer, prepared: Any, optimizer: RigOptimizer, loader: Any, sweep: _Sweep) -> LRFinderResult:
     rig = tr.rig
-    training_step = prepared.step_caller(prepared._rig_module.training_step)
-    backward = rig.precision.backward_function()
-    step, zero_grad = optimizer.step_functions()
+    training_step = prepared.step_caller(prepared.module.training_step)
+    backward, step, zero_grad = rig.backward, optimizer.step, optimizer.zero_grad
     result = LRFinderResult(lrs=[], losses=[])
     smoother, best = _Smoother(), math.inf
     prepared.train()
@@ -341,7 +341,7 @@ def _sweep_loop(tr: Trainer, prepared: Any, optimizer: RigOptimizer, loader: Any
             raise ValueError(f"lr_find(): training_step returned None for batch {i}; it must return a loss")
         backward(loss)
         if tr.gradient_clip_val is not None:
-            loops._clip_gradients(tr, prepared, [optimizer])
+            loops.clip_gradients(tr, prepared, [optimizer])
         step()
         zero_grad()
         # One host sync per step (the finder's early stop must be decided alike on every rank).

@@ -84,20 +84,18 @@ class RigModule(nn.Module):
             raise err
         raise DeviceMismatchError(message) from err
 
-    def call_as_forward(self, method: Any, *args: Any) -> Any:
-        """Run ``method`` (the module's ``training_step``...) as if it were the module's ``forward``.
+    def step_caller(self, method: Any) -> Callable[..., Any]:
+        """``method`` (the module's ``training_step``...) as a callable that runs it as if it were
+        the module's ``forward``, for calling once per batch.
 
         The strategy's wrapper (DDP's gradient hooks, FSDP's unsharding) and the precision's
         autocast then see the step as the forward pass; inside it, ``self(x)`` is the module's own
-        ``forward`` again. When nothing wraps the forward (one device, full precision, no module
-        hooks) the method is simply called: the same result, without the detour.
+        ``forward`` again. When nothing wraps the forward (one device, full precision) the method
+        is simply called: the same result, without the detour, as long as no module hook exists.
+        This is the one place that reads torch's hook registries (:func:`_hook_dicts`): each call
+        checks that no hook was registered since (a hook sends the call the wrapper's way, so the
+        hooks see the step as the forward pass).
         """
-        return self.step_caller(method)(*args)
-
-    def step_caller(self, method: Any) -> Callable[..., Any]:
-        """``call_as_forward`` bound to ``method``, for calling it once per batch. When the module
-        is plain, each call only checks that no hook was registered since (a hook sends it the
-        wrapper's way, so the hooks see the step as the forward pass)."""
         if not self._rig_plain:
             return lambda *args: self._call_swapped(method, *args)
         hooks = (self._forward_hooks, self._forward_pre_hooks, *_hook_dicts(self._rig_module))
@@ -206,13 +204,6 @@ class RigOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._rig_optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step_functions(self) -> tuple[Callable[[], Any], Callable[[], Any]]:
-        """``step`` and ``zero_grad`` for calling once per batch: the optimizer's own methods
-        when the precision has nothing to do between them (no GradScaler), else these."""
-        if self._rig_precision.scaler is None:
-            return self._rig_optimizer.step, self._rig_optimizer.zero_grad
-        return self.step, self.zero_grad
 
     def state_dict(self) -> dict[str, Any]:
         return self._rig_optimizer.state_dict()

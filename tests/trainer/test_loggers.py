@@ -15,9 +15,15 @@ import pytest
 import torch
 import yaml
 
-from torchrig.trainer.loggers import CSVLogger, MetricBuffer, TensorBoardLogger, next_version_dir, read_metrics
-from torchrig.trainer.metric_buffer import format_floats
-from torchrig.trainer.metrics import Snapshot
+from torchrig.trainer.loggers import (
+    CSVLogger,
+    MetricBuffer,
+    TensorBoardLogger,
+    csv_cells,
+    format_floats,
+    next_version_dir,
+    read_metrics,
+)
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -74,7 +80,7 @@ def test_csv_buffers_until_flush_every_n_steps_and_widens_the_header(tmp_path: P
 
 @pytest.mark.parametrize("on_accelerator", [False, True], ids=["cpu-tensors", "accelerator-tensors"])
 def test_no_host_sync_per_step_and_one_per_flush(tmp_path: Path, on_accelerator: bool) -> None:
-    """Logging reads nothing. A flush (the CSV logger's ``drain_text``, the TensorBoard logger's
+    """Logging reads nothing. A flush (the CSV logger's ``csv_cells``, the TensorBoard logger's
     ``drain``) reads CPU tensors directly and stacks the others (simulated: ``is_cpu`` False),
     moving them to the host once per device and dtype, never one value at a time."""
     logger = CSVLogger(root_dir=tmp_path, flush_every_n_steps=1000)
@@ -184,7 +190,10 @@ def test_a_fit_writes_hparams_yaml_only_for_a_module_with_hparams(tmp_path: Path
     with_hparams.hparams = {"lr": 0.1, "hidden": 8}
     for module, name in ((with_hparams, "with"), (Regressor(), "without")):
         trainer = torchrig.Trainer(
-            max_epochs=1, log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False,
+            max_epochs=1,
+            log_every_n_steps=1,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
             default_root_dir=tmp_path / name,
         )
         trainer.fit(module, loader(16))
@@ -355,18 +364,18 @@ def test_buffer_reads_every_dtype_exactly_and_csv_writes_float32_in_its_shortest
     ]
 
 
-def test_drain_text_gives_each_column_as_format_floats_writes_it() -> None:
+def test_csv_cells_gives_each_column_as_format_floats_writes_it() -> None:
     """Column by column, each value as format_floats writes it (also those float32 cannot show
     briefly); missing cells empty, the skipped name ("epoch", the row's own) not a column."""
     values = [0.49, 1 / 3, float("nan"), float("inf"), -0.0, 1e-45, 3.0, 1e30]
     buf = MetricBuffer()
     for step, value in enumerate(values):
-        row = Snapshot({"loss": torch.tensor(value), "epoch": 7})
+        row = {"loss": torch.tensor(value), "epoch": 7}
         if step == 2:
             row["acc"] = torch.tensor(0.5)
-        buf.add(row, step=step, epoch=7, skip="epoch")
+        buf.add(row, step=step, epoch=7, skip="epoch", owned=True)
     buf.add({"loss": 2.5}, step=99, epoch=None)  # a number: the column leaves the fast path
-    steps, epochs, columns = buf.drain_text()
+    steps, epochs, columns = csv_cells(buf)
     floats = [float(torch.tensor(v)) for v in values]
     assert steps == [str(s) for s in range(len(values))] + ["99"]
     assert epochs == ["7"] * len(values) + [""]
@@ -376,9 +385,9 @@ def test_drain_text_gives_each_column_as_format_floats_writes_it() -> None:
     assert columns["acc"] == ["", "", "0.5"] + [""] * (len(values) - 2)
     fast = MetricBuffer()
     for step, value in enumerate(values):
-        fast.add(Snapshot({"loss": torch.tensor(value)}), step=step, epoch=None)
-    assert fast.drain_text()[2]["loss"] == format_floats(floats)
-    assert len(fast) == 0 and fast.drain_text() == ([], [], {})
+        fast.add({"loss": torch.tensor(value)}, step=step, epoch=None, owned=True)
+    assert csv_cells(fast)[2]["loss"] == format_floats(floats)
+    assert len(fast) == 0 and csv_cells(fast) == ([], [], {})
 
 
 def test_format_floats_handles_what_float32_cannot_hold() -> None:

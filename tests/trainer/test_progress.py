@@ -13,7 +13,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from torchrig.trainer.progress import ProgressBar, to_floats
+from torchrig.trainer.callbacks import EventSchedule
+from torchrig.trainer.metrics import to_floats
+from torchrig.trainer.progress import ProgressBar
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -118,13 +120,12 @@ def test_steps_between_refreshes_convert_nothing() -> None:
 def test_the_position_comes_from_batch_idx_so_sparse_calls_and_resumes_show_it() -> None:
     # The Trainer calls on_train_batch_end at most every refresh_interval (plain lines: only for
     # the loop's last batch); a fit resumed mid-epoch starts with no epoch start.
-    assert (
-        ProgressBar(
-            refresh_interval=0.25, console=Console(file=io.StringIO(), force_terminal=True)
-        )._train_batch_end_interval
-        == 0.25
-    )
-    assert ProgressBar(console=Console(file=io.StringIO()))._train_batch_end_interval == float("inf")
+    assert ProgressBar(refresh_interval=0.25, console=Console(file=io.StringIO(), force_terminal=True)).event_schedule(
+        "on_train_batch_end"
+    ) == EventSchedule(seconds=0.25)
+    plain = ProgressBar(console=Console(file=io.StringIO()))
+    assert plain.event_schedule("on_train_batch_end") == EventSchedule(seconds=float("inf"))
+    assert plain.event_schedule("on_train_epoch_end") == EventSchedule()
     out = io.StringIO()
     bar = ProgressBar(console=Console(file=out, width=200))
     trainer = fake_trainer(progress_bar_metrics={})

@@ -25,7 +25,7 @@ def test_a_dangling_last_with_nothing_to_load_is_an_error_not_a_fresh_start(tmp_
     trainer = quiet_trainer(tmp_path, max_steps=6, enable_checkpointing=True, callbacks=[cb])
     with pytest.warns(UserWarning, match="a save was interrupted while replacing it"):
         trainer.fit(Regressor(), loader(32), ckpt_path="last")
-    assert trainer._resumed and trainer.global_step == 6
+    assert trainer.run.resumed and trainer.global_step == 6
     # With no copy at all the dangling last is an error naming it, never a silent start from step 0.
     for p in list(ckpts.iterdir()):
         if p.is_dir() and not p.is_symlink():

@@ -10,7 +10,7 @@ import torch
 from trainer_helpers import Regressor, loader, quiet_trainer
 
 import torchrig
-from torchrig.trainer.callbacks import Callback
+from torchrig.trainer.callbacks import Callback, EventSchedule
 
 
 class Recorder(Callback):
@@ -139,9 +139,8 @@ class Sparse(Callback):
         self.interval, self.stop_after = interval, stop_after
         self.seen: list[tuple[int, int, float]] = []
 
-    @property
-    def _train_batch_end_interval(self) -> float:
-        return self.interval
+    def event_schedule(self, event: str) -> EventSchedule:
+        return EventSchedule(seconds=self.interval) if event == "on_train_batch_end" else EventSchedule()
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.seen.append((trainer.current_epoch, batch_idx, float(outputs.detach())))
@@ -180,6 +179,54 @@ def test_sparse_batch_end_sees_the_first_batch_then_the_last_of_each_epoch_and_t
     sparse = Sparse(0.0)  # no wait: every batch
     quiet_trainer(tmp_path / "all", max_epochs=2, callbacks=[sparse]).fit(Regressor(), loader(16, batch_size=4))
     assert [(e, b) for e, b, _ in sparse.seen] == [(e, b) for e in range(2) for b in range(4)]
+
+
+class Quiet(Callback):
+    """Overrides on_train_batch_end and on_train_epoch_end but wants only the epoch ends."""
+
+    def __init__(self) -> None:
+        self.batches, self.epochs = 0, 0
+
+    def event_schedule(self, event: str) -> EventSchedule:
+        return EventSchedule(enabled=False) if event == "on_train_batch_end" else EventSchedule()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batches += 1
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        self.epochs += 1
+
+
+@pytest.mark.timeout(20)
+def test_a_callback_can_say_it_wants_an_event_not_at_all(tmp_path: Any) -> None:
+    quiet = Quiet()
+    quiet_trainer(tmp_path, max_epochs=2, callbacks=[quiet]).fit(Regressor(), loader(16, batch_size=4))
+    assert (quiet.batches, quiet.epochs) == (0, 2)
+    # ModelCheckpoint saving at epoch ends asks the same; saving every n steps it wants every batch end.
+    assert torchrig.ModelCheckpoint().event_schedule("on_train_batch_end") == EventSchedule(enabled=False)
+    assert torchrig.ModelCheckpoint(every_n_train_steps=2).event_schedule("on_train_batch_end") == EventSchedule()
+
+
+class SecondsOnEpochEnd(Callback):
+    def event_schedule(self, event: str) -> EventSchedule:
+        return EventSchedule(seconds=1.0)
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None: ...
+
+
+@pytest.mark.timeout(20)
+def test_event_schedule_refuses_what_the_trainer_cannot_do(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match=r"EventSchedule\(seconds=-1\): give a number of seconds >= 0"):
+        EventSchedule(seconds=-1)
+    with pytest.raises(ValueError, match=r"EventSchedule\(enabled=1\) must be True or False"):
+        EventSchedule(enabled=1)  # type: ignore[arg-type]
+    trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[SecondsOnEpochEnd()])
+    with pytest.raises(
+        ValueError,
+        match=r"SecondsOnEpochEnd.event_schedule\('on_train_epoch_end'\) returned "
+        r"seconds=1.0; only on_train_batch_end can be called at most every so many seconds",
+    ):
+        trainer.fit(Regressor(), loader(16, batch_size=4))
 
 
 @pytest.mark.timeout(20)

@@ -133,7 +133,7 @@ def test_a_mismatch_inside_a_training_step_called_directly_is_explained() -> Non
     prepared = _prepared(_Stepper())
     assert prepared._rig_plain
     with pytest.raises(DeviceMismatchError, match=r"so a tensor created inside forward\(\) is elsewhere"):
-        prepared.call_as_forward(prepared.module.training_step, None, 0)
+        prepared.step_caller(prepared.module.training_step)(None, 0)
 
 
 def test_module_hooks_still_see_a_step_run_as_forward() -> None:
@@ -141,7 +141,7 @@ def test_module_hooks_still_see_a_step_run_as_forward() -> None:
     seen: list[str] = []
     prepared.module.register_forward_pre_hook(lambda mod, args: seen.append(type(mod).__name__))
     with pytest.raises(DeviceMismatchError):
-        prepared.call_as_forward(prepared.module.training_step, None, 0)
+        prepared.step_caller(prepared.module.training_step)(None, 0)
     assert seen == ["_Stepper"]  # the step went through the module's __call__, hooks and all
 
 

@@ -102,19 +102,6 @@ def test_grad_scaler_skips_a_step_with_an_inf_gradient_and_lowers_the_scale() ->
     assert scaler.get_scale() == scale_before / 2
 
 
-def test_backward_function_is_tensor_backward_unless_there_is_a_scaler() -> None:
-    # The Trainer calls it once per batch: no wrapper where nothing is scaled.
-    assert Precision(name="32-true", device_type="cpu").backward_function() is torch.Tensor.backward
-    assert Precision(name="bf16-mixed", device_type="cpu").backward_function() is torch.Tensor.backward
-    fp16 = Precision(name="16-mixed", device_type="cpu")
-    backward = fp16.backward_function()
-    assert backward == fp16.backward
-    w = torch.ones(1, requires_grad=True)
-    backward((w * 2).sum())
-    assert fp16.scaler is not None
-    assert w.grad is not None and w.grad.item() == 2 * fp16.scaler.get_scale()  # scaled as rig.backward scales
-
-
 def test_aliases_map_to_canonical_names() -> None:
     assert [normalize_precision(p) for p in (32, "16", "bf16", 64)] == ["32-true", "16-mixed", "bf16-mixed", "64-true"]
 

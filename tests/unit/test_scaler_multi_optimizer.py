@@ -185,15 +185,3 @@ def test_loading_or_pickling_the_scaler_between_iterations_applies_the_due_updat
     precision.load_state_dict(saved)  # while the inf iteration's update is due
     precision.backward(model(torch.randn(2, 4)).sum())  # the loaded scale is not backed off
     assert scaler.get_scale() == 8.0
-
-
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
-def test_step_functions_skip_the_wrapper_only_when_no_scaler_steps_between(precision: str) -> None:
-    """What the Trainer calls each batch: the optimizer's own methods under full precision; the
-    prepared optimizer's under 16-mixed, whose step goes through the GradScaler."""
-    rig = torchrig.Rig(accelerator="cpu", precision=precision)
-    layer = torch.nn.Linear(2, 1)
-    opt = rig.prepare(torch.optim.SGD(layer.parameters(), lr=0.1))
-    step, zero_grad = opt.step_functions()
-    owner = opt.optimizer if precision == "32-true" else opt
-    assert step == owner.step and zero_grad == owner.zero_grad

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchrig.trainer.callbacks import Callback
+from torchrig.trainer.callbacks import Callback, EventSchedule
 from torchrig.trainer.checkpointing import ModelCheckpoint
 from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.early_stopping import EarlyStopping
@@ -17,6 +17,7 @@ __all__ = [
     "DataModule",
     "DeviceStatsMonitor",
     "EarlyStopping",
+    "EventSchedule",
     "LearningRateMonitor",
     "Logger",
     "ModelCheckpoint",

@@ -20,18 +20,19 @@ Every method does nothing by default; override the ones you need. ``state_dict``
 
 The Trainer calls only the methods a callback overrides, worked out at the start of each run
 (:func:`active_hooks`): a small model's step is short enough that each Python call per batch
-shows in its speed. Two class attributes, read at the start of each run, let a callback skip
-more of them: ``_idle_events``, the overridden events that have nothing to do as configured
-(``ModelCheckpoint`` saving at epoch ends has no per-batch work), and
-``_train_batch_end_interval``, for a callback that only shows progress (the progress bar):
-its ``on_train_batch_end`` is then called at most every that many seconds and for the last
-batch the loop runs (the epoch's last, or the one after which the fit stops), not after every
-batch.
+shows in its speed. A callback says how often it wants an event with
+:meth:`Callback.event_schedule` (an :class:`EventSchedule`), read at the start of each run: not
+at all (``ModelCheckpoint`` saving at epoch ends has no per-batch work), or, for
+``on_train_batch_end``, at most every so many seconds (the progress bar, which only shows
+progress): it is then called at most that often and for the last batch the loop runs (the
+epoch's last, or the one after which the fit stops), after that batch's validation, if any.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -39,6 +40,44 @@ if TYPE_CHECKING:
 
     from torchrig.trainer.module import TrainingModule
     from torchrig.trainer.trainer import Trainer
+
+#: The one event that can be thinned to at most every ``EventSchedule.seconds``.
+THINNED_EVENT = "on_train_batch_end"
+
+
+@dataclass(frozen=True)
+class EventSchedule:
+    """How often a callback wants one of its events (the answer of :meth:`Callback.event_schedule`).
+
+    Args:
+        seconds: None (default): at every such event. A number of seconds (``>= 0``, ``math.inf``
+            allowed), for ``on_train_batch_end`` only: at most that often, and always for the last
+            batch the loop runs (the epoch's last, or the one after which the fit stops); such
+            calls come after the batch's validation, if any, and callbacks thinned this way are
+            called together, at the shortest of their intervals.
+        enabled: False: not at all (the callback has nothing to do at this event as configured).
+
+    Example:
+        >>> class Draw(Callback):
+        ...     def event_schedule(self, event):
+        ...         return EventSchedule(seconds=1.0) if event == "on_train_batch_end" else EventSchedule()
+        ...     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        ...         print("at batch", batch_idx)
+    """
+
+    seconds: float | None = None
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        s = self.seconds
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0):
+            raise ValueError(f"EventSchedule(seconds={s!r}): give a number of seconds >= 0 (math.inf allowed) or None")
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"EventSchedule(enabled={self.enabled!r}) must be True or False")
+
+
+#: The default schedule: every event.
+EVERY_TIME = EventSchedule()
 
 
 class Callback:
@@ -50,16 +89,11 @@ class Callback:
         ...         print("epoch", trainer.current_epoch, "done")
     """
 
-    @property
-    def _idle_events(self) -> tuple[str, ...]:
-        """Events this callback overrides that have nothing to do as configured (not called)."""
-        return ()
-
-    @property
-    def _train_batch_end_interval(self) -> float | None:
-        """Seconds: ``on_train_batch_end`` at most this often (and for the loop's last batch);
-        None: after every batch."""
-        return None
+    def event_schedule(self, event: str) -> EventSchedule:
+        """How often this callback wants ``event`` (the name of one of its methods, such as
+        ``"on_train_batch_end"``), as configured: an :class:`EventSchedule`. The Trainer asks at
+        the start of each run, for the events the callback overrides. Default: every time."""
+        return EVERY_TIME
 
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None: ...
 
@@ -111,31 +145,40 @@ class Callback:
 
 def active_hooks(callbacks: Sequence[Callback], event: str) -> list[Callable[..., Any]]:
     """The ``event`` methods of ``callbacks`` to call at every such event, bound, in order: the
-    overridden ones, less the idle ones (``_idle_events``) and, for ``on_train_batch_end``,
-    those of callbacks called sparsely (see :func:`sparse_batch_end_hooks`)."""
-    return [
-        getattr(cb, event)
-        for cb in callbacks
-        if _acts_on(cb, event) and not (event == "on_train_batch_end" and cb._train_batch_end_interval is not None)
-    ]
+    overridden ones that want every event (:meth:`Callback.event_schedule`); those thinned to at
+    most every so many seconds are :func:`sparse_batch_end_hooks`."""
+    return [getattr(cb, event) for cb in callbacks if _schedule(cb, event) is EVERY_TIME]
 
 
 def sparse_batch_end_hooks(callbacks: Sequence[Callback]) -> tuple[list[Callable[..., Any]], float]:
-    """The ``on_train_batch_end`` methods of the callbacks that ask to be called at most every
-    ``_train_batch_end_interval`` seconds, and the shortest of those intervals (they are called
-    together)."""
+    """The ``on_train_batch_end`` methods of the callbacks that want it at most every so many
+    seconds, and the shortest of those intervals (they are called together)."""
     hooks, intervals = [], []
     for cb in callbacks:
-        interval = cb._train_batch_end_interval
-        if interval is not None:
-            intervals.append(float(interval))
-            if _acts_on(cb, "on_train_batch_end"):
-                hooks.append(cb.on_train_batch_end)
-    return hooks, min(intervals, default=0.0)
+        schedule = _schedule(cb, THINNED_EVENT)
+        if schedule is not None and schedule.seconds is not None:
+            intervals.append(float(schedule.seconds))
+            hooks.append(cb.on_train_batch_end)
+    return hooks, min(intervals, default=math.inf)
 
 
-def _acts_on(cb: Callback, event: str) -> bool:
-    """Whether ``cb`` overrides ``event`` (on its class or the instance) and does not call it idle."""
+def _schedule(cb: Callback, event: str) -> EventSchedule | None:
+    """When ``cb`` overrides ``event`` (on its class or the instance) and wants it: its
+    schedule (:data:`EVERY_TIME` for every event); else None."""
     base = getattr(Callback, event)
-    overridden = event in getattr(cb, "__dict__", ()) or getattr(type(cb), event, base) is not base
-    return overridden and event not in cb._idle_events
+    if not (event in getattr(cb, "__dict__", ()) or getattr(type(cb), event, base) is not base):
+        return None
+    schedule = cb.event_schedule(event)
+    if not isinstance(schedule, EventSchedule):
+        raise TypeError(
+            f"{type(cb).__name__}.event_schedule({event!r}) returned {type(schedule).__name__}; "
+            "return a torchrig.trainer.callbacks.EventSchedule"
+        )
+    if not schedule.enabled:
+        return None
+    if schedule.seconds is not None and event != THINNED_EVENT:
+        raise ValueError(
+            f"{type(cb).__name__}.event_schedule({event!r}) returned seconds={schedule.seconds}; only "
+            f"{THINNED_EVENT} can be called at most every so many seconds (use EventSchedule() or enabled=False)"
+        )
+    return EVERY_TIME if schedule == EVERY_TIME else schedule

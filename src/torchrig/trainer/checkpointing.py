@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchrig import arguments
 from torchrig.strategies.agreement import default_store, every_rank_arrives
-from torchrig.trainer.callbacks import Callback
+from torchrig.trainer.callbacks import EVERY_TIME, Callback, EventSchedule
 from torchrig.trainer.metrics import to_floats
 
 if TYPE_CHECKING:
@@ -93,16 +93,15 @@ class ModelCheckpoint(Callback):
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}); use 'min' or 'max'")
-        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k!r}) must be an int >= -1 (-1 keeps all)")
+        arguments.int_in_range("save_top_k", save_top_k, -1, hint=" (-1 keeps all)")
         if monitor is None and save_top_k > 1:
             raise ValueError(
                 f"ModelCheckpoint(save_top_k={save_top_k}) ranks checkpoints by a metric; pass monitor='val_loss' "
                 "(or what you log), or save_top_k=-1 to keep every checkpoint"
             )
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"ModelCheckpoint({name}={value!r}) must be a positive int or None")
+            if value is not None:
+                arguments.int_in_range(name, value, 1, hint=", or None")
         if train_time_interval is not None and (
             isinstance(train_time_interval, bool)
             or not isinstance(train_time_interval, (int, float))
@@ -161,17 +160,18 @@ class ModelCheckpoint(Callback):
         if self._kept_in != str(self.resolve_dirpath(trainer).resolve()):
             self.best_k_models, self._saved, self._kept_in = {}, [], None
 
-    @property
-    def _idle_events(self) -> tuple[str, ...]:
-        """Events with nothing to do as configured: the Trainer does not call them (it asks at
-        the start of each run). By default it saves at epoch ends only, not per batch."""
-        return ("on_train_batch_end",) if self.every_n_train_steps is None else ()
+    def event_schedule(self, event: str) -> EventSchedule:
+        """By default it saves at epoch ends only: ``on_train_batch_end`` has nothing to do then
+        and the Trainer does not call it (it asks at the start of each run)."""
+        if event == "on_train_batch_end" and self.every_n_train_steps is None:
+            return EventSchedule(enabled=False)
+        return EVERY_TIME
 
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         n = self.every_n_train_steps
-        if n is None:  # epoch ends only (not called by the Trainer then, see _idle_events)
+        if n is None:  # epoch ends only (not called by the Trainer then, see event_schedule)
             return
         step = trainer.global_step
         if step % n == 0 and step != self._last_step_saved:
@@ -362,7 +362,7 @@ class ModelCheckpoint(Callback):
             return
         folder = self.resolve_dirpath(trainer).resolve()
         for p in stale:
-            if _removable(Path(p), folder, trainer._resumed_from):
+            if _removable(Path(p), folder, trainer.run.resumed_from):
                 shutil.rmtree(p, ignore_errors=True)
 
     # -- resumable -----------------------------------------------------------------------------
@@ -415,13 +415,13 @@ def default_checkpoint_dir(trainer: Trainer) -> Path:
     Worked out once per Trainer; rank zero's logger names the run directory, and every process
     takes its choice (a save is collective), so every call must come from every process.
     """
-    found = trainer._checkpoint_dir
+    found = trainer.run.checkpoint_dir
     if found is None:
         logger = trainer.logger
         log_dir = logger.log_dir if logger is not None and trainer.is_global_zero else None
         chosen = trainer.rig.broadcast(None if log_dir is None else str(log_dir))
         found = (Path(chosen) if chosen is not None else trainer.default_root_dir) / CHECKPOINTS
-        trainer._checkpoint_dir = found
+        trainer.run.checkpoint_dir = found
     return found
 
 

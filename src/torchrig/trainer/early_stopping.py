@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from torchrig import arguments
 from torchrig.trainer.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -46,8 +47,7 @@ class EarlyStopping(Callback):
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping(mode={mode!r}); use 'min' or 'max'")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"EarlyStopping(patience={patience!r}) must be an int >= 0")
+        arguments.int_in_range("patience", patience, 0)
         if min_delta < 0:
             raise ValueError(f"EarlyStopping(min_delta={min_delta!r}) must be >= 0 (the direction comes from mode=)")
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, float(min_delta)

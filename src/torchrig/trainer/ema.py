@@ -131,7 +131,7 @@ class EMA(Callback):
     # -- Trainer events --------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
         # A resumed fit has attached and loaded the average already; any other fit starts one.
-        self._attach(module, fresh=not trainer._resumed)
+        self._attach(module, fresh=not trainer.run.resumed)
         self._last_step = trainer.global_step
 
     def on_train_batch_end(
@@ -143,7 +143,7 @@ class EMA(Callback):
             self.update(step)
 
     def on_eval_start(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
-        if trainer._stage != "fit" or self._backup is not None:
+        if trainer.run.stage != "fit" or self._backup is not None:
             return
         with torch.no_grad():
             live, shadow = self._locals()
@@ -166,7 +166,7 @@ class EMA(Callback):
 
     # -- checkpoints -----------------------------------------------------------------------
     def checkpoint_modules(self, trainer: Trainer) -> dict[str, nn.Module]:
-        self._attach(trainer._require_module())
+        self._attach(trainer.run.require_module())
         assert self.averaged is not None
         return {ENTRY: self.averaged}
 

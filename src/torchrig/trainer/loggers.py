@@ -20,17 +20,25 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import yaml
 
 from torchrig.trainer.logger_base import Logger
 from torchrig.trainer.metric_buffer import MetricBuffer
-from torchrig.trainer.metrics import Snapshot
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
 
-__all__ = ["CSVLogger", "MetricBuffer", "TensorBoardLogger", "next_version_dir", "read_metrics"]
+__all__ = [
+    "CSVLogger",
+    "MetricBuffer",
+    "TensorBoardLogger",
+    "csv_cells",
+    "format_floats",
+    "next_version_dir",
+    "read_metrics",
+]
 
 METRICS_FILE = "metrics.csv"
 #: A buffer this long is written whatever the flush schedule (it holds one small tensor per value).
@@ -82,7 +90,7 @@ class _RunDir:
         return self._path
 
 
-class _BufferedLogger(Logger):
+class BufferedLogger(Logger):
     """What both loggers share: run directory, buffering, flush schedule, rank zero, hparams."""
 
     def __init__(
@@ -159,12 +167,9 @@ class _BufferedLogger(Logger):
             if epoch is None and self._trainer is not None:
                 epoch = getattr(self._trainer, "current_epoch", None)
             epoch = None if epoch is None else int(epoch)
-        if type(metrics) is Snapshot:  # the Trainer's rows, kept as they are: MetricBuffer.add, inline
-            buffered = self._buffer.rows
-            buffered.append((step, epoch, metrics, "epoch"))
-            rows = len(buffered)
-        else:
-            rows = self._buffer.add(metrics, step=step, epoch=epoch, skip="epoch")
+        # The Trainer's own row (Run.logged): its tensors are kept as they are, no copies.
+        owned = metrics is getattr(getattr(self._trainer, "run", None), "logged", None)
+        rows = self._buffer.add(metrics, step=step, epoch=epoch, skip="epoch", owned=owned)
         n, secs = self.flush_every_n_steps, self.flush_every_seconds
         if (
             rows >= MAX_BUFFERED_ROWS
@@ -193,7 +198,7 @@ class _BufferedLogger(Logger):
 
     # -- what a subclass writes ------------------------------------------------------------
     def _write(self, buffer: MetricBuffer) -> None:
-        """Write what ``buffer`` holds, emptying it (``buffer.drain()`` or ``buffer.drain_text()``)."""
+        """Write what ``buffer`` holds, emptying it (``buffer.drain()`` or ``buffer.drain_columns()``)."""
         raise NotImplementedError
 
     def _write_hparams(self, params: dict[str, Any]) -> None:
@@ -203,7 +208,7 @@ class _BufferedLogger(Logger):
         return None
 
 
-class CSVLogger(_BufferedLogger):
+class CSVLogger(BufferedLogger):
     """Writes ``metrics.csv`` and ``hparams.yaml`` into ``<root_dir>/<name>/version_N``.
 
     Columns are ``step``, ``epoch`` and the union of every metric name logged so far; when a
@@ -239,7 +244,7 @@ class CSVLogger(_BufferedLogger):
         return self.log_dir / METRICS_FILE
 
     def _write(self, buffer: MetricBuffer) -> None:
-        steps, epochs, columns = buffer.drain_text()
+        steps, epochs, columns = csv_cells(buffer)
         path = self.metrics_file
         if self._columns is None:  # first write: continue an existing file (a resumed run)
             self._columns = _read_header(path) or ["step", "epoch"]
@@ -268,7 +273,7 @@ class CSVLogger(_BufferedLogger):
                 f.write(text)
 
 
-class TensorBoardLogger(_BufferedLogger):
+class TensorBoardLogger(BufferedLogger):
     """Writes TensorBoard event files (and ``hparams.yaml``) into ``<root_dir>/<name>/version_N``.
 
     Needs the ``tensorboard`` package: ``pip install tensorboard``. Arguments as for
@@ -332,7 +337,7 @@ class TensorBoardLogger(_BufferedLogger):
     def _write_hparams(self, params: dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams
 
-        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in _flatten(params).items()}
+        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten_params(params).items()}
         # Written into this run's event file (SummaryWriter.add_hparams would open a second run).
         for summary in hparams(flat, {}):
             self.writer.file_writer.add_summary(summary)
@@ -398,11 +403,54 @@ def _plain(obj: Any) -> Any:
     return repr(obj)
 
 
-def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``params`` with nested dicts as ``outer/inner`` keys (for places that take flat parameters)."""
     out: dict[str, Any] = {}
     for k, v in params.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
+            out.update(flatten_params(v, f"{prefix}{k}/"))
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def csv_cells(buffer: MetricBuffer) -> tuple[list[str], list[str], dict[str, list[str]]]:
+    """Every row ``buffer`` holds as CSV cell text, column by column (empties it): the steps, the
+    epochs (empty where none) and, per metric name in the order first logged, each row's value
+    as :func:`format_floats` writes it (empty where the row has none), formatted in one
+    vectorized call.
+
+    Example:
+        >>> buf = MetricBuffer()
+        >>> _ = buf.add({"loss": torch.tensor(0.5)}, step=1, epoch=0)
+        >>> _ = buf.add({"acc": 0.25}, step=2, epoch=None)
+        >>> csv_cells(buf)
+        (['1', '2'], ['0', ''], {'loss': ['0.5', ''], 'acc': ['', '0.25']})
+    """
+    steps, epochs, columns = buffer.drain_columns()
+    text = iter(format_floats([v for column in columns.values() for v in column if v is not None]))
+    cells = {name: ["" if v is None else next(text) for v in column] for name, column in columns.items()}
+    return [str(s) for s in steps], ["" if e is None else str(e) for e in epochs], cells
+
+
+def format_floats(values: list[float]) -> list[str]:
+    """The text of each value for a CSV cell: a value a float32 holds exactly (what a float32,
+    float16 or bfloat16 metric reads as) in the shortest form that gives that float32 back, so
+    a logged ``0.49`` reads ``0.49``, not ``0.49000000953674316``; any other in Python's
+    shortest form (``repr``). One vectorized conversion for all of them.
+
+    Example:
+        >>> format_floats([float(torch.tensor(0.49)), 1 / 3, 2.0**40 + 1])
+        ['0.49', '0.3333333333333333', '1099511627777.0']
+    """
+    if not values:
+        return []
+    wide = np.asarray(values, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = wide.astype(np.float32)
+        exact = narrow == wide  # False for NaN: Python writes it
+    text: list[str] = narrow.astype(str).tolist()
+    if not exact.all():
+        for i in np.flatnonzero(~exact).tolist():
+            text[i] = repr(values[i])
+    return text

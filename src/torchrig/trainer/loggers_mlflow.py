@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchrig.trainer.loggers import _flatten
-from torchrig.trainer.loggers_service import _ServiceLogger, require
+from torchrig.trainer.loggers import flatten_params
+from torchrig.trainer.loggers_service import ServiceLogger, require
 from torchrig.trainer.metric_buffer import MetricBuffer
 
 __all__ = ["LOCAL_STORE", "MLflowLogger"]
@@ -23,7 +23,7 @@ _STATUS = {"success": "FINISHED", "interrupted": "KILLED"}  # anything else: FAI
 CHECKPOINTS_FILE = "checkpoints.json"
 
 
-class MLflowLogger(_ServiceLogger):
+class MLflowLogger(ServiceLogger):
     """Logs to an `MLflow <https://mlflow.org>`_ run with MLflow's client
     (``pip install 'torchrig[mlflow]'``: ``mlflow-skinny`` and the SQLite store's ``sqlalchemy``
     and ``alembic``; the full ``mlflow`` package works too).
@@ -164,7 +164,7 @@ class MLflowLogger(_ServiceLogger):
         from mlflow.entities import Param
 
         self._ensure_open()
-        flat = [Param(k, str(v)[:_PARAM_LENGTH]) for k, v in _flatten(params).items()]
+        flat = [Param(k, str(v)[:_PARAM_LENGTH]) for k, v in flatten_params(params).items()]
         for i in range(0, len(flat), _PARAMS_PER_BATCH):
             self._client.log_batch(self._run_id, params=flat[i : i + _PARAMS_PER_BATCH])
 

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from torchrig.checkpoint.files import read_meta
-from torchrig.trainer.loggers import _BufferedLogger
+from torchrig.trainer.loggers import BufferedLogger
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -41,7 +41,7 @@ def require(module: str, logger: str, extra: str) -> ModuleType:
         ) from err
 
 
-class _ServiceLogger(_BufferedLogger):
+class ServiceLogger(BufferedLogger):
     """A buffered logger that writes into a run of a tracking service (subclasses say which).
 
     The run directory is ``<save_dir>/<name>/version_N``, as the CSV logger's (checkpoints go

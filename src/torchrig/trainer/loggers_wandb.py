@@ -8,7 +8,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-from torchrig.trainer.loggers_service import _ServiceLogger, require
+from torchrig.trainer.loggers_service import ServiceLogger, require
 from torchrig.trainer.metric_buffer import MetricBuffer
 
 __all__ = ["WandbLogger"]
@@ -16,7 +16,7 @@ __all__ = ["WandbLogger"]
 _ID_CHARS = string.ascii_lowercase + string.digits  # what W&B's own run ids are made of
 
 
-class WandbLogger(_ServiceLogger):
+class WandbLogger(ServiceLogger):
     """Logs to a `Weights & Biases <https://wandb.ai>`_ run with the ``wandb`` package
     (``pip install 'torchrig[wandb]'``).
 

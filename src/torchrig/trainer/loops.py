@@ -13,14 +13,14 @@ import numbers
 import time
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
 from torchrig.preemption import Preempted
-from torchrig.trainer.metrics import Snapshot, to_floats
+from torchrig.trainer.metrics import MetricStore, to_floats
 from torchrig.trainer.profiler import BACKWARD, DATA, LOGGING, OPTIMIZER, STEP, VALIDATION
-from torchrig.wrappers import RigOptimizer
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -96,7 +96,7 @@ def check_training_batches(tr: Trainer) -> None:
 
 def _no_batches(tr: Trainer, empty_here: bool) -> ValueError:
     """The error for a training loader that gave this process (or another one) no batch."""
-    loader = tr._train_loader
+    loader = tr.run.train_loader
     inner = getattr(loader, "loader", loader)
     dataset = getattr(inner, "dataset", None)
     samples = length_of(dataset)
@@ -121,12 +121,12 @@ def run_fit(trainer: Trainer) -> None:
     """Sanity check, then epochs until ``max_epochs``, ``max_steps``, ``max_time`` or a stop."""
     tr, state = trainer, trainer.fit_state
     check_manual_optimization(tr)
-    if not tr._resumed and tr.num_sanity_val_steps != 0 and tr._has_validation():
+    if not tr.run.resumed and tr.num_sanity_val_steps != 0 and tr.run.has_validation():
         limit = math.inf if tr.num_sanity_val_steps == -1 else tr.num_sanity_val_steps
         run_evaluation(tr, "sanity_check", limit_override=limit)
-    tr._call_module("on_train_start")
-    tr._started_at = time.monotonic()
-    tr._sparse_due = 0.0  # the sparse batch-end hooks see the first batch
+    tr.run.call_module("on_train_start")
+    tr.run.started_at = time.monotonic()
+    tr.run.sparse_due = 0.0  # the sparse batch-end hooks see the first batch
     if state.epoch_finished:
         state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
     profiler = tr.profiler
@@ -134,7 +134,7 @@ def run_fit(trainer: Trainer) -> None:
         profiler.start(tr)
     try:
         while not _fit_done(tr):
-            found = tr._signals.poll()  # a stop signal between epochs: the state is an epoch's end
+            found = tr.run.signals.poll()  # a stop signal between epochs: the state is an epoch's end
             if found:
                 stop_at_step(found)
             run_train_epoch(tr)
@@ -144,7 +144,7 @@ def run_fit(trainer: Trainer) -> None:
     finally:  # also when the fit stops on an error or a signal: the profiler reports what it saw
         if profiler is not None:
             profiler.stop(tr)
-    tr._call_module("on_train_end")
+    tr.run.call_module("on_train_end")
 
 
 def stop_at_step(signum: int) -> NoReturn:
@@ -161,13 +161,13 @@ def _fit_done(tr: Trainer) -> bool:
 
 
 def run_train_epoch(tr: Trainer) -> None:
-    state, loader = tr.fit_state, tr._train_loader
+    state, loader = tr.fit_state, tr.run.train_loader
     assert loader is not None
     n = tr.num_training_batches
     if state.batch_idx == 0 and not state.val_pending:
-        tr._train_metrics.reset()
-        tr._call_module("on_train_epoch_start")
-        tr._call_callbacks("on_train_epoch_start")
+        tr.run.train_metrics.reset()
+        tr.run.call_module("on_train_epoch_start")
+        tr.run.call_callbacks("on_train_epoch_start")
     elif state.val_pending:  # resumed right after a batch whose validation did not run yet
         _validate_in_fit(tr)
     if state.batch_idx < n and not tr.should_stop:
@@ -188,24 +188,42 @@ def run_train_epoch(tr: Trainer) -> None:
 
 def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
     state = tr.fit_state
-    val_every = tr._val_check_batches(n)
-    validate_epoch = tr._has_validation() and (state.epoch + 1) % tr.check_val_every_n_epoch == 0
-    val_at_last = isinstance(tr.val_check_interval, float)
-    # Worked out once per epoch, not per batch: the hot loop only calls what does something.
-    batch_end, module = tr._hooks("on_train_batch_end"), tr._require_module()
-    # Callbacks that only show progress get the batch end at most every `interval` seconds (a
-    # clock read per batch, not a Python call) and always for the last batch the loop runs.
-    sparse, interval = tr._sparse_batch_end()
-    clock, due = time.perf_counter, tr._sparse_due
-    timed = tr.max_time is not None
-    poll, stop = tr._signals.poll, 0
+    val_every = tr.run.val_check_batches(n)
+    validate_epoch = tr.run.has_validation() and (state.epoch + 1) % tr.check_val_every_n_epoch == 0
     one_batch, validate = _batch_runner(tr), _validate_in_fit
     if tr.profiler is not None:  # once per epoch: the same loop, its callables timed
         batches, validate = tr.profiler.wrap_batches(batches), tr.profiler.wrap(VALIDATION, validate)
-    tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
     batch_idx = state.batch_idx
     if batch_idx >= n:
         return
+    with tr.run.log_into(tr.run.train_metrics, in_step=True):
+        due = _batch_loop(tr, batches, n, batch_idx, one_batch, validate, validate_epoch, val_every, tr.run.sparse_due)
+    tr.run.sparse_due = due
+
+
+def _batch_loop(
+    tr: Trainer,
+    batches: Iterator[Any],
+    n: int | float,
+    batch_idx: int,
+    one_batch: Callable[[Any, int, bool], Any],
+    validate: Callable[[Trainer], None],
+    validate_epoch: bool,
+    val_every: int,
+    due: float,
+) -> float:
+    """The batches of one epoch (inside the training step's log sink); when the sparse hooks are next due.
+
+    Worked out once per epoch, not per batch: the hot loop only calls what does something.
+    Callbacks that want the batch end at most every so many seconds (``sparse``, see
+    :meth:`Callback.event_schedule`) get it then (a clock read per batch, not a Python call) and
+    always for the last batch the loop runs.
+    """
+    state, module = tr.fit_state, tr.run.require_module()
+    batch_end = tr.run.hooks("on_train_batch_end")
+    sparse, interval = tr.run.sparse_batch_end()
+    clock, timed, val_at_last = time.perf_counter, tr.max_time is not None, isinstance(tr.val_check_interval, float)
+    poll, stop = tr.run.signals.poll, 0
     for batch in batches:
         is_last = batch_idx + 1 >= n
         output = one_batch(batch, batch_idx, is_last)
@@ -216,8 +234,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
             hook(tr, module, output, batch, batch_idx)
         if state.val_pending:
             validate(tr)
-            tr._active_metrics, tr._logging_in_step = tr._train_metrics, True
-        if timed and tr._time_is_up():
+        if timed and tr.run.time_is_up():
             tr.should_stop = True
         if not stop:
             stop = poll()  # collective: the same batches on every rank
@@ -235,7 +252,7 @@ def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
                 stop_at_step(stop)
             break
         batch_idx += 1
-    tr._sparse_due = due
+    return due
 
 
 def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
@@ -252,16 +269,15 @@ def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     micro-benchmark (the step's kernels leave the caches cold for the interpreter), a sizable part
     of a small model's step. So the step's bookkeeping is written inline here, not in helpers.
     """
-    prepared = tr._prepared_module
+    prepared = tr.run.prepared_module
     assert prepared is not None
-    if not prepared._rig_module.automatic_optimization:
+    if not prepared.module.automatic_optimization:
         return _manual_batch_runner(tr)
     rig, state, optimizers = tr.rig, tr.fit_state, list(tr.optimizers)
-    training_step = prepared.step_caller(prepared._rig_module.training_step)
-    backward = rig.precision.backward_function()
-    stepping = [cast(RigOptimizer, o).step_functions() for o in optimizers]  # rig.prepare wrapped them
-    steps, zeros = [s for s, _ in stepping], [z for _, z in stepping]
-    clip, schedulers, log_step = _clip_gradients, step_schedulers, _log_step
+    training_step = prepared.step_caller(tr.run.require_module().training_step)
+    # Rig's public API, as a hand-written loop uses it; bound once per epoch, not per batch.
+    backward, steps, zeros = rig.backward, [o.step for o in optimizers], [o.zero_grad for o in optimizers]
+    clip, schedulers, log_step = clip_gradients, step_schedulers, _log_step
     profiler = tr.profiler
     if profiler is not None:  # the same step with its callables timed (chosen once per epoch)
         training_step, backward = profiler.wrap(STEP, training_step), profiler.wrap(BACKWARD, backward)
@@ -375,8 +391,6 @@ class ItemWindow:
         return loss
 
     def _launch(self) -> None:
-        import torch.distributed as dist
-
         total = self._local_total()
         if not isinstance(total, torch.Tensor):  # a fill kernel, not a host-to-device copy
             total = torch.full((), total, device=self.device)
@@ -443,11 +457,11 @@ def _manual_batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
     ``training_step`` runs the backward passes and optimizer steps itself; each batch counts as
     one step (``global_step``, ``max_steps``, ``log_every_n_steps``). Chosen once per epoch's
     batches, so the automatic path has no branch for it."""
-    prepared = tr._prepared_module
+    prepared = tr.run.prepared_module
     assert prepared is not None
     state, rig = tr.fit_state, tr.rig
     # As the wrapped module's forward (DDP), or not (FSDP2): see Strategy.manual_step_caller.
-    step_caller = rig.strategy.manual_step_caller(prepared, prepared._rig_module.training_step)
+    step_caller = rig.strategy.manual_step_caller(prepared, tr.run.require_module().training_step)
     training_step = _without_autocast_cache(step_caller) if rig.precision.is_mixed else step_caller
     log_step = _log_step
     if tr.profiler is not None:  # the step's backward passes and optimizer steps count in training_step
@@ -487,7 +501,7 @@ def _without_autocast_cache(step: Callable[..., Any]) -> Callable[..., Any]:
 def check_manual_optimization(tr: Trainer) -> None:
     """Refuse, when a fit starts, the Trainer settings that step the optimizers for a module that
     steps them itself."""
-    module = tr._require_module()
+    module = tr.run.require_module()
     if module.automatic_optimization:
         return
     name = type(module).__name__
@@ -507,22 +521,17 @@ def check_manual_optimization(tr: Trainer) -> None:
 
 def _log_step(tr: Trainer) -> None:
     """Send the step values to the loggers (every ``log_every_n_steps`` optimizer steps)."""
-    store, state = tr._train_metrics, tr.fit_state
-    # When every step value goes to the loggers under its own name (worked out by
-    # step_values, once per new name), the row is a copy of the step values.
-    values = Snapshot(store.step) if store.logger_step_plain else store.step_values(for_logger=True)  # a fresh dict
+    values: dict[str, Any] = tr.run.train_metrics.step_values(for_logger=True)  # a fresh dict
     if values:
-        values["epoch"] = state.epoch
-        tr._logged = values
-        for lg in tr.loggers:
-            lg.log_metrics(values, step=state.global_step)
+        values["epoch"] = tr.fit_state.epoch
+        tr.run.log_to_loggers(values)
 
 
-def _clip_gradients(tr: Trainer, module: torch.nn.Module, optimizers: list[Any]) -> None:
+def clip_gradients(tr: Trainer, module: torch.nn.Module, optimizers: list[Any]) -> None:
     clip = tr.gradient_clip_val  # checked when the Trainer was built (arguments.clip_threshold)
     max_norm, clip_val = (clip, None) if tr.gradient_clip_algorithm == "norm" else (None, clip)
     for opt in optimizers:
-        tr.rig._clip_checked(opt, max_norm, clip_val, 2.0)
+        tr.rig.clip_gradients(module, opt, max_norm=max_norm, clip_val=clip_val)
 
 
 def step_schedulers(tr: Trainer, interval: str, count: int) -> None:
@@ -543,69 +552,75 @@ def step_schedulers(tr: Trainer, interval: str, count: int) -> None:
 def _validate_in_fit(tr: Trainer) -> None:
     run_evaluation(tr, "validate")
     tr.fit_state.val_pending = False
-    tr._call_callbacks("on_validation_end")
+    with tr.run.log_into(tr.run.eval_metrics):
+        tr.run.call_callbacks("on_validation_end")
 
 
 def _end_train_epoch(tr: Trainer) -> None:
-    tr._active_metrics, tr._logging_in_step = tr._train_metrics, False
-    tr._call_module("on_train_epoch_end")
-    epoch_values = tr._train_metrics.epoch_values()
-    tr._epoch_metrics.update(epoch_values)
-    logged = tr._train_metrics.logger_keys(epoch_values)
+    with tr.run.log_into(tr.run.train_metrics):
+        tr.run.call_module("on_train_epoch_end")
+    epoch_values = tr.run.train_metrics.epoch_values()
+    tr.run.epoch_metrics.update(epoch_values)
+    logged = tr.run.train_metrics.logger_keys(epoch_values)
     if logged:
-        tr._log_to_loggers(Snapshot(logged, epoch=tr.fit_state.epoch))
-    if tr._require_module().automatic_optimization:  # manual optimization steps its own schedulers
+        tr.run.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
+    if tr.run.require_module().automatic_optimization:  # manual optimization steps its own schedulers
         step_schedulers(tr, "epoch", tr.fit_state.epoch + 1)
     tr.fit_state.epoch_finished = True
-    tr._call_callbacks("on_train_epoch_end")
+    tr.run.call_callbacks("on_train_epoch_end")
 
 
 # -- evaluation and predict ---------------------------------------------------------------
 def run_evaluation(tr: Trainer, stage: str, limit_override: float | None = None) -> list[dict[str, torch.Tensor]]:
     """Run ``validation_step``/``test_step`` over the stage's loaders; the epoch metrics per loader."""
-    loaders = tr._eval_loaders[stage if stage != "sanity_check" else "validate"]
-    prepared = tr._prepared_module
+    loaders = tr.run.eval_loaders[stage if stage != "sanity_check" else "validate"]
+    prepared = tr.run.prepared_module
     assert prepared is not None
     method = prepared.module.test_step if stage == "test" else prepared.module.validation_step
-    store, was_training = tr._eval_metrics, prepared.module.training
+    store, was_training = tr.run.eval_metrics, prepared.module.training
     store.reset()
-    tr._active_metrics, tr._logging_in_step = store, False
-    prepared.module.eval()
-    tr._call_callbacks("on_eval_start", stage)
-    try:
-        with torch.no_grad():
-            for idx, loader in enumerate(loaders):
-                tr._log_suffix = f"/dataloader_idx_{idx}" if len(loaders) > 1 else ""
-                n = num_batches(loader, tr._eval_limit(stage)) if limit_override is None else limit_override
-                _eval_loader(tr, stage, method, loader, idx if len(loaders) > 1 else None, n)
-            tr._log_suffix = ""
-            if stage in ("validate", "sanity_check"):
-                tr._call_module("on_validation_epoch_end")
-    finally:
-        tr._log_suffix = ""
-        prepared.module.train(was_training)
+    with tr.run.log_into(store):
+        prepared.module.eval()
+        tr.run.call_callbacks("on_eval_start", stage)
+        try:
+            with torch.no_grad():
+                for idx, loader in enumerate(loaders):
+                    n = num_batches(loader, tr.run.eval_limit(stage)) if limit_override is None else limit_override
+                    if len(loaders) > 1:  # each loader's values kept apart: name/dataloader_idx_N
+                        with tr.run.log_into(store, suffix=f"/dataloader_idx_{idx}"):
+                            _eval_loader(tr, stage, method, loader, idx, n)
+                    else:
+                        _eval_loader(tr, stage, method, loader, None, n)
+                if stage in ("validate", "sanity_check"):
+                    tr.run.call_module("on_validation_epoch_end")
+        finally:
+            prepared.module.train(was_training)
+        return _end_evaluation(tr, stage, store, len(loaders))
+
+
+def _end_evaluation(tr: Trainer, stage: str, store: MetricStore, count: int) -> list[dict[str, torch.Tensor]]:
     values = store.epoch_values()
-    results = _split_by_loader(values, len(loaders))
+    results = _split_by_loader(values, count)
     if stage != "sanity_check":
-        tr._epoch_metrics.update(values)
+        tr.run.epoch_metrics.update(values)
         logged = store.logger_keys(values)
-        if logged and tr._stage == "fit":
-            tr._log_to_loggers(Snapshot(logged, epoch=tr.fit_state.epoch))
+        if logged and tr.run.stage == "fit":
+            tr.run.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
         elif logged:
-            tr._log_to_loggers(logged)
-    tr._call_callbacks("on_eval_end", stage)
+            tr.run.log_to_loggers(logged)
+    tr.run.call_callbacks("on_eval_end", stage)
     return results
 
 
 def _eval_loader(tr: Trainer, stage: str, method: Any, loader: Any, idx: int | None, n: float) -> None:
-    prepared = tr._prepared_module
+    prepared = tr.run.prepared_module
     assert prepared is not None
     if n <= 0:
         return
     call, with_idx = prepared.step_caller(method), idx is not None and _takes_loader_index(method)
     for batch_idx, batch in enumerate(loader):
         output = call(batch, batch_idx, idx) if with_idx else call(batch, batch_idx)
-        tr._call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
+        tr.run.call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
         if batch_idx + 1 >= n:
             break
 
@@ -635,11 +650,11 @@ def run_predict(tr: Trainer) -> list[Any]:
     On ``W`` processes each returned batch holds the ``W`` per-process batches of one step,
     interleaved back into dataset order (:meth:`torchrig.Rig.gather_for_metrics`).
     """
-    prepared = tr._prepared_module
+    prepared = tr.run.prepared_module
     assert prepared is not None
-    loaders = tr._eval_loaders["predict"]
+    loaders = tr.run.eval_loaders["predict"]
     prepared.module.eval()
-    tr._call_callbacks("on_eval_start", "predict")
+    tr.run.call_callbacks("on_eval_start", "predict")
     results: list[Any] = []
     with torch.no_grad():
         for loader in loaders:
@@ -650,11 +665,11 @@ def run_predict(tr: Trainer) -> list[Any]:
                 if batch_idx >= n:
                     break
                 out = predict_step(batch, batch_idx)
-                tr._call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
+                tr.run.call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
                 # In dataset order, each sample once (the sampler's padding dropped); free in one process.
                 outputs.append(tr.rig.gather_for_metrics(out))
             results.append(outputs)
-    tr._call_callbacks("on_eval_end", "predict")
+    tr.run.call_callbacks("on_eval_end", "predict")
     return results[0] if len(results) == 1 else results
 
 

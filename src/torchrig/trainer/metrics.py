@@ -8,7 +8,6 @@ caller reads :func:`to_floats` (one transfer for all of them).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,15 +16,6 @@ import torch
 
 if TYPE_CHECKING:
     from torchrig.rig import Rig
-
-
-class Snapshot(dict):  # type: ignore[type-arg]
-    """Logged values that nothing changes in place: a logger may keep these tensors without a copy.
-
-    The Trainer hands its loggers this kind of dict. A plain dict from elsewhere may hold a
-    tensor someone updates in place later (a running sum, a parameter), which a buffering
-    logger must copy when it is logged.
-    """
 
 
 @dataclass(frozen=True)
@@ -41,11 +31,6 @@ class LogOptions:
     @property
     def fields(self) -> list[bool]:
         return [self.prog_bar, self.logger, self.on_step, self.on_epoch, self.sync_dist]
-
-    @functools.cached_property
-    def step_only(self) -> bool:
-        """Only the latest value is kept, as it is: no epoch sum, no cross-process mean."""
-        return self.on_step and not self.on_epoch and not self.sync_dist
 
 
 class MetricStore:
@@ -66,13 +51,9 @@ class MetricStore:
         self.step: dict[str, torch.Tensor] = {}
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, float] = {}
-        #: Whether ``step_values(for_logger=True)`` is a copy of ``step`` (every step value logged
-        #: under its own name); None until ``step_values`` works it out again (after a new name).
-        self.logger_step_plain: bool | None = None
 
     def reset(self) -> None:
         """Forget everything (at the start of an epoch or evaluation run)."""
-        self.logger_step_plain = None
         self.options.clear()
         self.step.clear()
         self.sums.clear()
@@ -87,7 +68,6 @@ class MetricStore:
         known = self.options.get(name)
         if known is None:
             self.options[name] = options
-            self.logger_step_plain = None  # a new name: worked out again when next asked
         elif known is not options and known != options:
             raise ValueError(
                 f"self.log({name!r}) was called with {options} but earlier in this stage with {known}; "
@@ -125,17 +105,9 @@ class MetricStore:
             return torch.tensor(float(value), device=self.device)
         raise TypeError(f"self.log({name!r}) got {type(value).__name__}; log a number or a scalar tensor")
 
-    def step_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> Snapshot:
+    def step_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> dict[str, torch.Tensor]:
         """The latest ``on_step`` values (named ``name_step`` when also logged ``on_epoch``)."""
-        if for_logger and not for_prog_bar:
-            plain = self.logger_step_plain
-            if plain is None:  # every step value goes to the logger under its own name?
-                plain = self.logger_step_plain = all(
-                    o.logger and not o.on_epoch for o in self.options.values() if o.on_step
-                )
-            if plain:
-                return Snapshot(self.step)
-        out = Snapshot()
+        out = {}
         for name, value in self.step.items():
             opts = self.options[name]
             if (for_logger and not opts.logger) or (for_prog_bar and not opts.prog_bar):
@@ -143,10 +115,10 @@ class MetricStore:
             out[f"{name}_step" if opts.on_epoch else name] = value
         return out
 
-    def epoch_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> Snapshot:
+    def epoch_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> dict[str, torch.Tensor]:
         """Means of the ``on_epoch`` values (``name_epoch`` when also logged ``on_step``),
         averaged across processes for ``sync_dist=True`` names in one collective."""
-        out = Snapshot()
+        out: dict[str, torch.Tensor] = {}
         synced: list[str] = []
         for name, total in self.sums.items():
             opts = self.options[name]
@@ -161,9 +133,9 @@ class MetricStore:
             out.update(zip(synced, reduced.unbind(0), strict=True))
         return out
 
-    def logger_keys(self, values: Mapping[str, torch.Tensor]) -> Snapshot:
+    def logger_keys(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The items of ``values`` (from :meth:`epoch_values`) whose names go to the logger."""
-        out = Snapshot()
+        out: dict[str, torch.Tensor] = {}
         for key, value in values.items():
             opts = self.options.get(key) or self.options.get(key.removesuffix("_epoch"))
             if opts is None or opts.logger:
@@ -193,7 +165,8 @@ def fresh_scalar(value: Any, device: torch.device) -> bool:
         and value.dim() == 0
         and value.dtype is torch.float32
         and value.device == device
-        and _fresh(value)
+        and value.grad_fn is not None
+        and not value._is_view()
     )
 
 
@@ -205,11 +178,21 @@ def _fresh(value: Any) -> bool:
     return value.grad_fn is not None and not value._is_view()
 
 
-def to_floats(values: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
-    """Python floats from a dict of scalar tensors, with one device-to-host transfer."""
-    tensors = [(k, v) for k, v in values.items() if isinstance(v, torch.Tensor)]
-    out = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
-    if tensors:
-        stacked = torch.stack([v.detach().reshape(()).float().to(tensors[0][1].device) for _, v in tensors])
-        out.update(zip([k for k, _ in tensors], stacked.tolist(), strict=True))
-    return {k: out[k] for k in values}
+def to_floats(values: Mapping[str, Any]) -> dict[str, float]:
+    """``values`` with scalar tensors and numbers as Python floats, in the caller's order, with
+    one device-to-host transfer per device (exact: a float32 value is the float it holds).
+
+    Non-scalar tensors and values that are not numbers are left out.
+    """
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    out: dict[str, float] = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            by_device.setdefault(value.device, []).append((name, value.detach().reshape(())))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    for device, items in by_device.items():
+        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        floats = torch.stack([t.to(dtype) for _, t in items]).tolist()
+        out.update(zip((n for n, _ in items), floats, strict=True))
+    return {k: out[k] for k in values if k in out}

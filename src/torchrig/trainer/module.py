@@ -219,8 +219,8 @@ class TrainingModule(nn.Module):
                 f"{type(self).__name__}.manual_backward() is for manual optimization: set "
                 "self.automatic_optimization = False in __init__, or return the loss from training_step"
             )
-        prepared = trainer._prepared_module
-        if prepared is not None and not trainer._skip_backward_sync:
+        prepared = trainer.run.prepared_module
+        if prepared is not None and not trainer.run.skip_backward_sync:
             trainer.rig.strategy.prepare_for_backward(prepared._forward_module, loss)
         trainer.rig.backward(loss, **kwargs)
 
@@ -239,7 +239,7 @@ class TrainingModule(nn.Module):
             return None
         clip = arguments.clip_threshold("gradient_clip_val", gradient_clip_val)
         max_norm, clip_val = (clip, None) if gradient_clip_algorithm == "norm" else (None, clip)
-        return self.trainer.rig._clip_checked(optimizer, max_norm, clip_val, 2.0)
+        return self.trainer.rig.clip_gradients(self, optimizer, max_norm=max_norm, clip_val=clip_val)
 
     @contextlib.contextmanager
     def no_backward_sync(self, enabled: bool = True) -> Iterator[None]:
@@ -251,8 +251,8 @@ class TrainingModule(nn.Module):
             >>> #     self.manual_backward(loss)
         """
         trainer = self.trainer
-        skipping = trainer._skip_backward_sync
-        prepared = trainer._prepared_module
+        skipping = trainer.run.skip_backward_sync
+        prepared = trainer.run.prepared_module
         # The strategy's own switch too (FSDP2 reduce-scatters at the end of each backward unless
         # told not to); an outer block already holds it.
         no_sync = (
@@ -260,12 +260,12 @@ class TrainingModule(nn.Module):
             if prepared is not None and not skipping
             else contextlib.nullcontext()
         )
-        trainer._skip_backward_sync = skipping or enabled
+        trainer.run.skip_backward_sync = skipping or enabled
         try:
             with no_sync:
                 yield
         finally:
-            trainer._skip_backward_sync = skipping
+            trainer.run.skip_backward_sync = skipping
 
     # -- logging -----------------------------------------------------------------------------
     def log(
@@ -296,26 +296,12 @@ class TrainingModule(nn.Module):
             warnings.warn(f"self.log({name!r}) outside a Trainer run is ignored", stacklevel=2)
             return
         # One small tuple and one dict lookup per call: the options object is built once per flags.
-        options = _OPTIONS.get((prog_bar, logger, on_step, on_epoch, sync_dist, trainer._logging_in_step))
+        sink = trainer.run.sink  # where the running loop's block sends values (Run.log_into)
+        options = _OPTIONS.get((prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step))
         if options is None:
-            options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, trainer._logging_in_step)
-        store = trainer._active_metrics
-        if (  # a loss logged each step, again: stored as MetricStore.log would, without its checks
-            options.step_only
-            and not trainer._log_suffix
-            and store.options.get(name) is options
-            # fresh_scalar(value, store.device), inline (a Python call costs ~1 µs inside a step)
-            and type(value) is torch.Tensor
-            and value.grad_fn is not None
-            and value.dim() == 0
-            and value.dtype is torch.float32
-            and value.device == store.device
-            and not value._is_view()
-        ):
-            store.step[name] = value.detach()
-            return
+            options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step)
         # With several eval loaders, each loader's values are kept apart (``name/dataloader_idx_N``).
-        store.log(name + trainer._log_suffix, value, options, batch_size)
+        sink.store.log(name + sink.suffix, value, options, batch_size)
 
     def log_dict(self, values: Mapping[str, Any], **kwargs: Any) -> None:
         """``self.log(name, value, **kwargs)`` for each item."""

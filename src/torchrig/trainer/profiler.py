@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchrig import arguments
+
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
 
@@ -140,8 +142,7 @@ class SimpleProfiler(Profiler):
     def __init__(self, *, sync_device: bool | None = None, hooks_shown: int = 5) -> None:
         if sync_device not in (None, True, False):
             raise ValueError(f"sync_device={sync_device!r}; use True, False or None (on accelerators only)")
-        if isinstance(hooks_shown, bool) or not isinstance(hooks_shown, int) or hooks_shown < 0:
-            raise ValueError(f"hooks_shown={hooks_shown!r}; use an int >= 0")
+        arguments.int_in_range("hooks_shown", hooks_shown, 0)
         self.sync_device, self.hooks_shown = sync_device, hooks_shown
         self._slots: dict[str, list[float]] = {}  # phase or hook -> [seconds, calls]
         self._hooks: dict[str, str] = {}  # hook slot -> its phase

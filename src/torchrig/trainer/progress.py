@@ -24,7 +24,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
-from torchrig.trainer.callbacks import Callback
+from torchrig.trainer.callbacks import EVERY_TIME, Callback, EventSchedule
+from torchrig.trainer.metrics import to_floats
 
 if TYPE_CHECKING:
     from torchrig.trainer.module import TrainingModule
@@ -86,13 +87,14 @@ class ProgressBar(Callback):
         """Whether a live bar is drawn (a terminal or Jupyter) rather than plain lines."""
         return bool(self.console.is_terminal or self.console.is_jupyter)
 
-    @property
-    def _train_batch_end_interval(self) -> float:
-        """The Trainer calls :meth:`on_train_batch_end` at most this often (and for the last batch
-        its loop runs): the bar reads where the epoch is from ``batch_idx``, so it need not see
-        every batch, and a call per batch would cost a small model's step about 1%. Printing plain
-        lines it needs only the last batch."""
-        return self.refresh_interval if self.is_live else math.inf
+    def event_schedule(self, event: str) -> EventSchedule:
+        """:meth:`on_train_batch_end` at most every ``refresh_interval`` seconds (and for the last
+        batch the loop runs): the bar reads where the epoch is from ``batch_idx``, so it need not
+        see every batch, and a call per batch would cost a small model's step about 1%. Printing
+        plain lines it needs only the last batch. Every other event every time."""
+        if event == "on_train_batch_end":
+            return EventSchedule(seconds=self.refresh_interval if self.is_live else math.inf)
+        return EVERY_TIME
 
     # -- training --------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -124,7 +126,7 @@ class ProgressBar(Callback):
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # Called by the Trainer at most every refresh_interval seconds (see
-        # _train_batch_end_interval); called after every batch it shows the same. No conversion,
+        # event_schedule); called after every batch it shows the same. No conversion,
         # no sync unless it redraws.
         self._train.count = batch_idx + 1
         self._loss = outputs
@@ -296,25 +298,6 @@ class _Counter:
         if metrics:
             parts.append(metrics)
         return {"completed": self.count, "total": self.total, "info": " ".join(parts)}
-
-
-def to_floats(metrics: dict[str, Any]) -> dict[str, float]:
-    """``metrics`` with scalar tensors turned into floats, one host-device sync per device.
-
-    Non-scalar tensors and values that are not numbers are left out.
-    """
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    out: dict[str, float] = {}
-    for name, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            by_device.setdefault(value.device, []).append((name, value.detach().reshape(())))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = float(value)
-    for device, items in by_device.items():
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        floats = torch.stack([t.to(dtype) for _, t in items]).tolist()
-        out.update(zip((n for n, _ in items), floats, strict=True))
-    return {k: out[k] for k in metrics if k in out}  # keep the caller's order
 
 
 def _batches_done(trainer: Trainer) -> int:

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import datetime
-import math
 import os
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -15,22 +12,18 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig import arguments
-from torchrig.nested import apply_to_tensors
-from torchrig.preemption import SignalsLike, SignalWatch, resolve_requeue_signal, resolve_signals
+from torchrig.preemption import SignalsLike, resolve_requeue_signal, resolve_signals
 from torchrig.rig import Rig
-from torchrig.trainer import debugging, loops
-from torchrig.trainer.callbacks import Callback, active_hooks, sparse_batch_end_hooks
+from torchrig.trainer import debugging, loops, settings, stages
+from torchrig.trainer.callbacks import Callback
 from torchrig.trainer.checkpointing import ModelCheckpoint
 from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.logger_base import Logger
-from torchrig.trainer.metrics import MetricStore
 from torchrig.trainer.module import SchedulerConfig, TrainingModule
 from torchrig.trainer.profiler import Profiler, resolve_profiler
-from torchrig.wrappers import RigModule
+from torchrig.trainer.run import Run
 
 Limit = int | float
-#: Seconds between the saves of the default checkpoint (each epoch's end, at most this often, and the end).
-DEFAULT_CHECKPOINT_INTERVAL = 60.0
 
 
 class Trainer:
@@ -141,24 +134,24 @@ class Trainer:
         profiler: Profiler | str | None = None,
         enable_model_summary: bool = True,
     ) -> None:
-        self.max_steps = _int_at_least("max_steps", max_steps, -1)
+        self.max_steps = arguments.int_in_range("max_steps", max_steps, -1)
         default_epochs = -1 if max_steps != -1 else 1000
-        self.max_epochs = default_epochs if max_epochs is None else _int_at_least("max_epochs", max_epochs, -1)
-        self.max_time = _parse_time(max_time)
-        self.accumulate_grad_batches = _int_at_least("accumulate_grad_batches", accumulate_grad_batches, 1)
+        self.max_epochs = default_epochs if max_epochs is None else arguments.int_in_range("max_epochs", max_epochs, -1)
+        self.max_time = settings.parse_time(max_time)
+        self.accumulate_grad_batches = arguments.int_in_range("accumulate_grad_batches", accumulate_grad_batches, 1)
         clip = None if gradient_clip_val is None else arguments.clip_threshold("gradient_clip_val", gradient_clip_val)
         self.gradient_clip_val = clip or None  # 0 clips nothing
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; use 'norm' or 'value'")
         self.gradient_clip_algorithm = gradient_clip_algorithm
-        self.val_check_interval = _limit("val_check_interval", val_check_interval, allow_zero=False)
-        self.check_val_every_n_epoch = _int_at_least("check_val_every_n_epoch", check_val_every_n_epoch, 1)
-        self.limit_train_batches = _limit("limit_train_batches", limit_train_batches)
-        self.limit_val_batches = _limit("limit_val_batches", limit_val_batches)
-        self.limit_test_batches = _limit("limit_test_batches", limit_test_batches)
-        self.limit_predict_batches = _limit("limit_predict_batches", limit_predict_batches)
-        self.num_sanity_val_steps = _int_at_least("num_sanity_val_steps", num_sanity_val_steps, -1)
-        self.log_every_n_steps = _int_at_least("log_every_n_steps", log_every_n_steps, 1)
+        self.val_check_interval = settings.batch_limit("val_check_interval", val_check_interval, allow_zero=False)
+        self.check_val_every_n_epoch = arguments.int_in_range("check_val_every_n_epoch", check_val_every_n_epoch, 1)
+        self.limit_train_batches = settings.batch_limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = settings.batch_limit("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = settings.batch_limit("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = settings.batch_limit("limit_predict_batches", limit_predict_batches)
+        self.num_sanity_val_steps = arguments.int_in_range("num_sanity_val_steps", num_sanity_val_steps, -1)
+        self.log_every_n_steps = arguments.int_in_range("log_every_n_steps", log_every_n_steps, 1)
         if deterministic not in (None, True, False, "warn"):
             raise ValueError(f"deterministic={deterministic!r}; use True, False, 'warn' or None")
         self.deterministic = deterministic
@@ -186,9 +179,9 @@ class Trainer:
             compile=compile,
             activation_checkpointing=activation_checkpointing,
         )
-        self.callbacks = _callbacks(callbacks, enable_checkpointing, enable_progress_bar)
-        self.loggers = _loggers(logger, self.default_root_dir)
-        overfit = _limit("overfit_batches", overfit_batches)
+        self.callbacks = settings.callbacks(callbacks, enable_checkpointing, enable_progress_bar)
+        self.loggers = settings.loggers(logger, self.default_root_dir)
+        overfit = settings.batch_limit("overfit_batches", overfit_batches)
         self.fast_dev_run, self.overfit_batches, self.detect_anomaly = debugging.configure(
             self, fast_dev_run, overfit, detect_anomaly
         )
@@ -202,28 +195,8 @@ class Trainer:
         self.module: TrainingModule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_scheduler_configs: list[SchedulerConfig] = []
-        self._prepared_module: RigModule | None = None
-        self._prepared_cache: dict[int, tuple[Any, Any]] = {}
-        self._train_loader: Any = None
-        self._eval_loaders: dict[str, list[Any]] = {"validate": [], "test": [], "predict": []}
-        self._train_metrics = MetricStore(device=self.rig.device, rig=self.rig)
-        self._eval_metrics = MetricStore(device=self.rig.device, rig=self.rig)
-        self._active_metrics = self._train_metrics
-        self._logging_in_step = False
-        self._log_suffix = ""
-        self._epoch_metrics: dict[str, torch.Tensor] = {}
-        self._logged: dict[str, Any] = {}
-        self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
-        self._sparse_cache: tuple[list[Callable[..., Any]], float] | None = None
-        self._sparse_due = 0.0  # when the sparse batch-end hooks are next called (perf_counter)
-        self._stage: str | None = None
-        self._resumed = False
-        self._resumed_from: Path | None = None  # the checkpoint this fit resumed from (resolved)
-        self._checkpoint_dir: Path | None = None  # the default checkpoint folder, once chosen
-        #: Notes stop signals during a fit and agrees on them across ranks (see torchrig.preemption).
-        self._signals = SignalWatch(self.rig.strategy, ())
-        self._started_at = time.monotonic()
-        self._skip_backward_sync = False  # inside TrainingModule.no_backward_sync (manual optimization)
+        #: The objects of the runs (prepared module and loaders, metric stores, hook lists, clocks).
+        self.run = Run(self)
 
     # -- what the run is at --------------------------------------------------------------------
     @property
@@ -261,11 +234,6 @@ class Trainer:
         return self.rig.world_size
 
     @property
-    def training(self) -> bool:
-        """True inside ``fit`` (outside its validation)."""
-        return self._stage == "fit" and self._active_metrics is self._train_metrics
-
-    @property
     def logger(self) -> Logger | None:
         """The first logger (None without one)."""
         return self.loggers[0] if self.loggers else None
@@ -279,22 +247,22 @@ class Trainer:
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
         """Every logged value (latest step values and epoch means), as device tensors."""
-        stores = (self._train_metrics, self._eval_metrics)
+        stores = (self.run.train_metrics, self.run.eval_metrics)
         latest = {name: value for store in stores for name, value in store.step.items()}
         step = {k: v for store in stores for k, v in store.step_values().items()}
-        return {**latest, **step, **self._epoch_metrics}
+        return {**latest, **step, **self.run.epoch_metrics}
 
     @property
     def logged_metrics(self) -> dict[str, Any]:
         """What was last sent to the loggers."""
-        return dict(self._logged)
+        return dict(self.run.logged)
 
     @property
     def progress_bar_metrics(self) -> dict[str, torch.Tensor]:
         """Values logged with ``prog_bar=True`` (device tensors; convert them when you draw)."""
-        out = {**self._train_metrics.step_values(for_prog_bar=True)}
-        names = {**self._train_metrics.options, **self._eval_metrics.options}
-        for key, value in self._epoch_metrics.items():
+        out = {**self.run.train_metrics.step_values(for_prog_bar=True)}
+        names = {**self.run.train_metrics.options, **self.run.eval_metrics.options}
+        for key, value in self.run.epoch_metrics.items():
             opts = names.get(key.removesuffix("_epoch")) or names.get(key)
             if opts is not None and opts.prog_bar:
                 out[key] = value
@@ -302,20 +270,20 @@ class Trainer:
 
     @property
     def num_training_batches(self) -> int | float:
-        loader = self._train_loader
+        loader = self.run.train_loader
         return 0 if loader is None else loops.num_batches(loader, self.limit_train_batches)
 
     @property
     def num_val_batches(self) -> list[int | float]:
-        return [loops.num_batches(d, self.limit_val_batches) for d in self._eval_loaders["validate"]]
+        return [loops.num_batches(d, self.limit_val_batches) for d in self.run.eval_loaders["validate"]]
 
     @property
     def num_test_batches(self) -> list[int | float]:
-        return [loops.num_batches(d, self.limit_test_batches) for d in self._eval_loaders["test"]]
+        return [loops.num_batches(d, self.limit_test_batches) for d in self.run.eval_loaders["test"]]
 
     @property
     def num_predict_batches(self) -> list[int | float]:
-        return [loops.num_batches(d, self.limit_predict_batches) for d in self._eval_loaders["predict"]]
+        return [loops.num_batches(d, self.limit_predict_batches) for d in self.run.eval_loaders["predict"]]
 
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:
@@ -336,9 +304,8 @@ class Trainer:
         see docs/trainer.md. Ctrl-C saves ``last`` at the next optimizer step (one process), then
         raises ``KeyboardInterrupt``.
         """
-        from torchrig.trainer.runner import run_fit_stage
-
-        self._launch(run_fit_stage, module, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        data = (train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        stages.launch(self, stages.run_fit_stage, module, module, *data)
 
     def validate(
         self,
@@ -348,9 +315,7 @@ class Trainer:
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> list[dict[str, float]]:
         """Run ``validation_step`` over the loaders; the logged metrics, one dict per loader."""
-        from torchrig.trainer.runner import run_eval_stage
-
-        return self._launch(run_eval_stage, "validate", module, dataloaders, datamodule, ckpt_path)  # type: ignore[no-any-return]
+        return self._evaluate("validate", module, dataloaders, datamodule, ckpt_path)
 
     def test(
         self,
@@ -360,9 +325,7 @@ class Trainer:
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> list[dict[str, float]]:
         """Run ``test_step`` over the loaders; the logged metrics, one dict per loader."""
-        from torchrig.trainer.runner import run_eval_stage
-
-        return self._launch(run_eval_stage, "test", module, dataloaders, datamodule, ckpt_path)  # type: ignore[no-any-return]
+        return self._evaluate("test", module, dataloaders, datamodule, ckpt_path)
 
     def predict(
         self,
@@ -372,9 +335,10 @@ class Trainer:
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> list[Any]:
         """``predict_step`` outputs per batch, gathered from every process in dataset order."""
-        from torchrig.trainer.runner import run_eval_stage
+        return self._evaluate("predict", module, dataloaders, datamodule, ckpt_path)
 
-        return self._launch(run_eval_stage, "predict", module, dataloaders, datamodule, ckpt_path)  # type: ignore[no-any-return]
+    def _evaluate(self, stage: str, module: Any, dataloaders: Any, datamodule: Any, ckpt_path: Any) -> Any:
+        return stages.launch(self, stages.run_eval_stage, module, stage, module, dataloaders, datamodule, ckpt_path)
 
     @overload
     def save_checkpoint(
@@ -390,15 +354,13 @@ class Trainer:
         ``blocking=False``: ``rig.save``'s background save; returns its
         :class:`~torchrig.checkpoint.SaveHandle` (the loggers hear of the checkpoint once it is committed).
         """
-        from torchrig.trainer.runner import checkpoint_state
-
-        state = checkpoint_state(self)
+        state = stages.checkpoint_state(self)
         hparams = getattr(self.module, "hparams", None)
         if hparams:  # plain data (save_hyperparameters checked it): load_from_checkpoint builds the module from it
             state["hparams"] = dict(hparams)
         extra: dict[str, Any] = {}
         for cb in self.callbacks:
-            cb.on_save_checkpoint(self, self._require_module(), extra)
+            cb.on_save_checkpoint(self, self.run.require_module(), extra)
         if extra:
             state["callback_extras"] = extra
         saved = self.rig.save(path, state, link=link, blocking=blocking)
@@ -412,194 +374,3 @@ class Trainer:
         else:
             saved.add_commit_hook(committed)
         return saved
-
-    # -- plumbing shared with runner/loops -------------------------------------------------------
-    def _launch(self, body: Callable[..., Any], *args: Any) -> Any:
-        spawned = self.rig.strategy.needs_launch
-        self._refresh_hooks()  # no bound methods travel to started processes
-        out = self.rig.launch(_worker, self, body, spawned, *args)
-        if spawned and isinstance(out, _Returned):  # rank 0 of the started processes sent its results
-            module = args[1] if body.__name__ == "run_eval_stage" else args[0]
-            module = module if module is not None else self.module
-            if module is not None and out.weights is not None:
-                module.load_state_dict(out.weights)
-            self.fit_state.load_state_dict(out.fit_state)
-            # The callbacks that ran were copies (best_model_path, early stopping's count...).
-            for cb, state in zip(self.callbacks, out.callbacks, strict=True):
-                cb.load_state_dict(state)
-            self._epoch_metrics = dict(out.epoch_metrics)  # callback_metrics: the epoch means
-            return out.result
-        return out
-
-    def _require_module(self) -> TrainingModule:
-        if self.module is None:
-            raise RuntimeError("no module attached; call fit/validate/test/predict with a module first")
-        return self.module
-
-    def _call_module(self, hook: str, *args: Any) -> Any:
-        return getattr(self._require_module(), hook)(*args)
-
-    def _call_callbacks(self, event: str, *args: Any) -> None:
-        module = self._require_module()
-        for hook in self._hooks(event):
-            hook(self, module, *args)
-
-    def _hooks(self, event: str) -> list[Callable[..., Any]]:
-        """The callbacks' ``event`` methods to call, bound, in order (:func:`active_hooks`).
-
-        Worked out once per event and run (see :meth:`_refresh_hooks`), so an event nobody
-        overrides costs no call at all, which matters for the per-batch ones.
-        """
-        found = self._hook_cache.get(event)
-        if found is None:
-            found = active_hooks(self.callbacks, event)
-            if self.profiler is not None:
-                found = self.profiler.wrap_hooks(found)
-            self._hook_cache[event] = found
-        return found
-
-    def _sparse_batch_end(self) -> tuple[list[Callable[..., Any]], float]:
-        """The ``on_train_batch_end`` methods called at most every ``interval`` seconds, and the
-        interval (:func:`sparse_batch_end_hooks`); worked out once per run."""
-        if self._sparse_cache is None:
-            hooks, interval = sparse_batch_end_hooks(self.callbacks)
-            if self.profiler is not None:
-                hooks = self.profiler.wrap_hooks(hooks)
-            self._sparse_cache = hooks, interval
-        return self._sparse_cache
-
-    def _refresh_hooks(self) -> None:
-        """Forget the hook lists (``callbacks`` may have changed since the last run)."""
-        self._hook_cache.clear()
-        self._sparse_cache = None
-
-    def _log_to_loggers(self, metrics: dict[str, Any]) -> None:
-        self._logged = metrics
-        step = self.fit_state.global_step
-        for lg in self.loggers:
-            lg.log_metrics(metrics, step=step)
-
-    def _has_validation(self) -> bool:
-        module = self._require_module()
-        overridden = type(module).validation_step is not TrainingModule.validation_step
-        return overridden and bool(self._eval_loaders["validate"]) and self.limit_val_batches != 0
-
-    def _eval_limit(self, stage: str) -> int | float:
-        return {"validate": self.limit_val_batches, "test": self.limit_test_batches}[stage]
-
-    def _val_check_batches(self, n: int | float) -> int:
-        interval = self.val_check_interval
-        if isinstance(interval, int):
-            if interval > n:
-                raise ValueError(
-                    f"val_check_interval={interval} batches, but an epoch has only {n} training batches; "
-                    "use a smaller int, or a float fraction of the epoch"
-                )
-            return interval
-        if math.isinf(n):
-            raise ValueError("val_check_interval as a fraction needs a dataloader with a length; give an int")
-        return max(1, int(n * interval))
-
-    def _time_is_up(self) -> bool:
-        if self.max_time is None:
-            return False
-        up = time.monotonic() - self._started_at >= self.max_time
-        return self.rig.reduce_boolean_decision(up, all=False) if self.rig.world_size > 1 else up
-
-
-@dataclass
-class _Returned:
-    """What rank 0 of started processes sends back: the result, the weights, where the fit is,
-    each callback's state (in the Trainer's order) and the epoch metrics."""
-
-    result: Any
-    weights: dict[str, torch.Tensor] | None
-    fit_state: dict[str, Any]
-    callbacks: list[dict[str, Any]]
-    epoch_metrics: dict[str, torch.Tensor]
-
-
-def _worker(rig: Rig, trainer: Trainer, body: Callable[..., Any], spawned: bool, *args: Any) -> Any:
-    result = body(trainer, *args)
-    if not spawned:
-        return result
-    # The started processes end with this call: tensors go back as CPU copies (the launcher
-    # pickles the return value into a file), not as views of memory that is about to go away.
-    module = trainer.module
-
-    def cpu(value: Any) -> Any:
-        return apply_to_tensors(value, lambda t: t.detach().cpu())
-
-    return _Returned(
-        result=cpu(result),
-        weights=cpu(module.state_dict()) if module is not None else None,
-        fit_state=trainer.fit_state.state_dict(),
-        callbacks=[cpu(cb.state_dict()) for cb in trainer.callbacks],
-        epoch_metrics=cpu(dict(trainer._epoch_metrics)),
-    )
-
-
-# -- argument checks ---------------------------------------------------------------------------
-_int_at_least = arguments.int_in_range
-
-
-def _limit(name: str, value: Any, allow_zero: bool = True) -> int | float:
-    """An int count of batches, or a float fraction in [0, 1]."""
-    low = 0 if allow_zero else 1
-    if isinstance(value, int) and not isinstance(value, bool) and value >= low:
-        return value
-    if isinstance(value, float) and 0.0 <= value <= 1.0 and (allow_zero or value > 0):
-        return value
-    raise ValueError(
-        f"{name}={value!r}: give an int number of batches (>= {low}) or a float fraction of the epoch in "
-        f"{'[0.0' if allow_zero else '(0.0'}, 1.0]"
-    )
-
-
-_TIME_FORMS = ": give seconds (> 0), a datetime.timedelta, or 'DD:HH:MM:SS'"
-
-
-def _parse_time(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return arguments.finite_at_least("max_time", value, 0.0, strict=True, hint=_TIME_FORMS)
-    if isinstance(value, str):
-        parts = value.split(":")
-        # ASCII digits only ('²'.isdigit() is True, int('²') fails), and few enough for a float
-        if len(parts) == 4 and all(p.isascii() and p.isdigit() and len(p) <= 12 for p in parts):
-            d, h, m, s = (int(p) for p in parts)
-            return float(((d * 24 + h) * 60 + m) * 60 + s)
-    raise ValueError(f"max_time={arguments.shown(value)}{_TIME_FORMS}")
-
-
-def _callbacks(given: Any, checkpointing: bool, progress_bar: bool) -> list[Callback]:
-    found: list[Callback] = (
-        [] if given is None else arguments.instances("callbacks", given, Callback, "torchrig Callback objects")
-    )
-    has_ckpt = any(isinstance(c, ModelCheckpoint) for c in found)
-    if has_ckpt and not checkpointing:
-        raise ValueError("enable_checkpointing=False, but a ModelCheckpoint is in callbacks; drop one of the two")
-    if checkpointing and not has_ckpt:
-        found.append(ModelCheckpoint(save_last=True, train_time_interval=DEFAULT_CHECKPOINT_INTERVAL))
-    if progress_bar:
-        from torchrig.trainer.progress import ProgressBar
-
-        if not any(isinstance(c, ProgressBar) for c in found):
-            found.insert(0, ProgressBar())
-    # Checkpoints go last so they see what every other callback did at the same event.
-    return [c for c in found if not isinstance(c, ModelCheckpoint)] + [
-        c for c in found if isinstance(c, ModelCheckpoint)
-    ]
-
-
-def _loggers(given: Any, root: Path) -> list[Logger]:
-    if given is True:
-        from torchrig.trainer.loggers import CSVLogger
-
-        return [CSVLogger(root_dir=root)]
-    if given is False or given is None:
-        return []
-    return arguments.instances("logger", given, Logger, "a torchrig Logger, a list of them, True or False")

@@ -111,7 +111,7 @@ def fit(
     tr.fit(module, loader())
     if tr.world_size == 1:
         return {k: v.detach().clone() for k, v in module.net.state_dict().items()}, tr
-    full = tr.rig.strategy.module_state_dict(tr._prepared_module)  # FSDP: gathered to rank 0
+    full = tr.rig.strategy.module_state_dict(tr.run.prepared_module)  # FSDP: gathered to rank 0
     return {k.removeprefix("net."): v.detach().clone() for k, v in full.items()}, tr
 
 

@@ -1,4 +1,5 @@
-"""What each Trainer entry point does in every process: set-up, the loop, errors, teardown."""
+"""The Trainer's entry points (fit, validate/test/predict) as each process runs them: launching,
+set-up, the loop, errors, teardown and checkpoints."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import signal
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -14,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig.data import RigDataLoader
+from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, requeue_slurm_job, restart_count
 from torchrig.trainer import debugging, loops
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
@@ -22,6 +26,7 @@ from torchrig.trainer.summary import summary_table
 from torchrig.wrappers import RigModule
 
 if TYPE_CHECKING:
+    from torchrig.rig import Rig
     from torchrig.trainer.datamodule import DataModule
     from torchrig.trainer.trainer import Trainer
 
@@ -36,9 +41,9 @@ def run_fit_stage(
     datamodule: DataModule | None,
     ckpt_path: str | os.PathLike[str] | None,
 ) -> None:
-    _begin(tr, module, "fit")
+    begin(tr, module, "fit")
     try:
-        _setup(tr, module, datamodule, "fit")
+        setup(tr, module, datamodule, "fit")
         if train is None and datamodule is not None:
             train = datamodule.train_dataloader()
         if train is None:
@@ -47,17 +52,17 @@ def run_fit_stage(
             )
         if val is None and datamodule is not None:
             val = datamodule.val_dataloader()
-        _prepare_module(tr, module)
+        prepare_module(tr, module)
         optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers())
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
-        tr._train_loader = _prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")
+        tr.run.train_loader = _prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")
         loops.check_training_batches(tr)
         _warn_if_steps_are_not_logged(tr)
-        tr._eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
-        tr.fit_state, tr.should_stop, tr._resumed, tr._resumed_from = loops.FitState(), False, False, None
-        tr._train_metrics.reset()
-        tr._epoch_metrics.clear()
+        tr.run.eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
+        tr.fit_state, tr.should_stop, tr.run.resumed, tr.run.resumed_from = loops.FitState(), False, False, None
+        tr.run.train_metrics.reset()
+        tr.run.epoch_metrics.clear()
         if ckpt_path is None and tr.auto_resume and restart_count() > 0:
             _auto_resume(tr)
         elif ckpt_path is not None:
@@ -68,22 +73,22 @@ def run_fit_stage(
                 lg.log_hyperparams(dict(hparams))
         if tr.enable_model_summary and tr.is_global_zero:  # after a resume's message, as prepared for the run
             tr.rig.print(summary_table(module, tr.rig.precision.name), end="")
-        tr._call_callbacks("on_fit_start")
+        tr.run.call_callbacks("on_fit_start")
         # Installed until the fit ends, or until the save of a stop is done (in _on_error).
-        tr._signals = SignalWatch(tr.rig.strategy, tr.stop_signals).install()
+        tr.run.signals = SignalWatch(tr.rig.strategy, tr.stop_signals).install()
         with debugging.anomaly_detection(tr):
             loops.run_fit(tr)
-            found = tr._signals.settle()  # a signal during the fit's last step still stops it
+            found = tr.run.signals.settle()  # a signal during the fit's last step still stops it
             if found:
                 loops.stop_at_step(found)
-        tr._signals.restore()
-        tr._call_callbacks("on_fit_end")
+        tr.run.signals.restore()
+        tr.run.call_callbacks("on_fit_end")
         _finalize_loggers(tr, "success")
     except BaseException as exc:
         _on_error(tr, exc)
     finally:
-        tr._signals.restore()
-        _teardown(tr, module, datamodule, "fit")
+        tr.run.signals.restore()
+        teardown(tr, module, datamodule, "fit")
 
 
 def run_eval_stage(
@@ -98,17 +103,17 @@ def run_eval_stage(
         module = tr.module
     if module is None:
         raise ValueError(f"{stage}() needs a module: pass one, or call fit() first")
-    _begin(tr, module, stage)
+    begin(tr, module, stage)
     try:
-        _setup(tr, module, datamodule, stage)
+        setup(tr, module, datamodule, stage)
         if loaders is None and datamodule is not None:
             loaders = getattr(datamodule, _LOADER_METHODS[stage])()
         if loaders is None:
             raise ValueError(
                 f"{stage}() needs data: pass dataloaders= or a datamodule= with {_LOADER_METHODS[stage]}()"
             )
-        prepared = _prepare_module(tr, module)
-        tr._eval_loaders[stage] = _prepare_loaders(tr, loaders, "dataloaders")
+        prepared = prepare_module(tr, module)
+        tr.run.eval_loaders[stage] = _prepare_loaders(tr, loaders, "dataloaders")
         if ckpt_path is not None:
             path = _resolve_path(tr, ckpt_path)
             if path is not None:
@@ -122,18 +127,75 @@ def run_eval_stage(
     except BaseException as exc:
         _on_error(tr, exc)
     finally:
-        _teardown(tr, module, datamodule, stage)
+        teardown(tr, module, datamodule, stage)
+
+
+# -- every process ---------------------------------------------------------------------------
+def launch(tr: Trainer, body: Callable[..., Any], module: TrainingModule | None, *args: Any) -> Any:
+    """Run ``body(tr, *args)`` in every process of the Trainer's Rig; its result.
+
+    ``module`` is the module the run works on (None: the Trainer's current one). When the
+    strategy starts processes (``ddp_spawn``), rank 0 sends back its result, the module's
+    weights, where the fit is, the callbacks' state and the epoch metrics, and they are loaded
+    here, into ``module``, the Trainer and its callbacks.
+    """
+    spawned = tr.rig.strategy.needs_launch
+    tr.run.refresh_hooks()  # no bound methods travel to started processes
+    out = tr.rig.launch(_worker, tr, body, spawned, *args)
+    if not (spawned and isinstance(out, _Returned)):
+        return out
+    module = module if module is not None else tr.module
+    if module is not None and out.weights is not None:
+        module.load_state_dict(out.weights)
+    tr.fit_state.load_state_dict(out.fit_state)
+    # The callbacks that ran were copies (best_model_path, early stopping's count...).
+    for cb, state in zip(tr.callbacks, out.callbacks, strict=True):
+        cb.load_state_dict(state)
+    tr.run.epoch_metrics = dict(out.epoch_metrics)  # callback_metrics: the epoch means
+    return out.result
+
+
+@dataclass
+class _Returned:
+    """What rank 0 of started processes sends back: the result, the weights, where the fit is,
+    each callback's state (in the Trainer's order) and the epoch metrics."""
+
+    result: Any
+    weights: dict[str, torch.Tensor] | None
+    fit_state: dict[str, Any]
+    callbacks: list[dict[str, Any]]
+    epoch_metrics: dict[str, torch.Tensor]
+
+
+def _worker(rig: Rig, tr: Trainer, body: Callable[..., Any], spawned: bool, *args: Any) -> Any:
+    result = body(tr, *args)
+    if not spawned:
+        return result
+    # The started processes end with this call: tensors go back as CPU copies (the launcher
+    # pickles the return value into a file), not as views of memory that is about to go away.
+    module = tr.module
+
+    def cpu(value: Any) -> Any:
+        return apply_to_tensors(value, lambda t: t.detach().cpu())
+
+    return _Returned(
+        result=cpu(result),
+        weights=cpu(module.state_dict()) if module is not None else None,
+        fit_state=tr.fit_state.state_dict(),
+        callbacks=[cpu(cb.state_dict()) for cb in tr.callbacks],
+        epoch_metrics=cpu(dict(tr.run.epoch_metrics)),
+    )
 
 
 # -- set-up and teardown ---------------------------------------------------------------------
-def _begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
+def begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
     if not isinstance(module, TrainingModule):
         raise TypeError(
             f"Trainer.{stage}() takes a torchrig.TrainingModule, got {type(module).__name__}; "
             "subclass torchrig.TrainingModule (or use torchrig.Rig with a plain nn.Module)"
         )
-    tr.module, tr._stage, tr.interrupted = module, stage, False
-    tr._refresh_hooks()
+    tr.module, tr.run.stage, tr.interrupted = module, stage, False
+    tr.run.refresh_hooks()
     module._trainer = tr
     if tr.seed is not None:
         tr.rig.seed_everything(tr.seed)
@@ -143,18 +205,17 @@ def _begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
         torch.use_deterministic_algorithms(bool(tr.deterministic), warn_only=tr.deterministic == "warn")
 
 
-def _setup(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
+def setup(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
     if datamodule is not None:
         datamodule.setup(stage)
     module.setup(stage)
 
 
-def _teardown(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
-    tr._logging_in_step, tr._active_metrics = False, tr._train_metrics
+def teardown(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
     module.teardown(stage)
     if datamodule is not None:
         datamodule.teardown(stage)
-    tr._stage = None
+    tr.run.stage = None
 
 
 def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
@@ -175,7 +236,7 @@ def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
             requeued = stop.signum == tr.requeue_signal and _requeue(tr)
             exc = stop = Preempted(stop.signum, requeued=requeued, saved=None if saved is None else str(saved))
         if tr.module is not None:
-            tr._call_callbacks("on_exception", exc)
+            tr.run.call_callbacks("on_exception", exc)
     finally:
         _finalize_loggers(tr, "interrupted" if interrupted else "failed")
         if interrupted:
@@ -223,10 +284,10 @@ def _warn_if_steps_are_not_logged(tr: Trainer) -> None:
 
 
 # -- preparing ----------------------------------------------------------------------------------
-def _prepare_module(tr: Trainer, module: TrainingModule) -> RigModule:
-    if tr._prepared_module is None or tr._prepared_module.module is not module:
-        tr._prepared_module = tr.rig.prepare(module)
-    return tr._prepared_module
+def prepare_module(tr: Trainer, module: TrainingModule) -> RigModule:
+    if tr.run.prepared_module is None or tr.run.prepared_module.module is not module:
+        tr.run.prepared_module = tr.rig.prepare(module)
+    return tr.run.prepared_module
 
 
 def _prepare_loader(tr: Trainer, loader: Any, what: str) -> Any:
@@ -236,11 +297,11 @@ def _prepare_loader(tr: Trainer, loader: Any, what: str) -> Any:
         raise TypeError(
             f"{what} must be a torch.utils.data.DataLoader (or a list of them); got {type(loader).__name__}"
         )
-    cached = tr._prepared_cache.get(id(loader))
+    cached = tr.run.prepared_loaders.get(id(loader))
     if cached is not None and cached[0] is loader:
         return cached[1]
     prepared = tr.rig.prepare(loader)
-    tr._prepared_cache[id(loader)] = (loader, prepared)
+    tr.run.prepared_loaders[id(loader)] = (loader, prepared)
     return prepared
 
 
@@ -254,15 +315,15 @@ def _prepare_loaders(tr: Trainer, loaders: Any, what: str) -> list[Any]:
 # -- checkpoints ----------------------------------------------------------------------------------
 def checkpoint_state(tr: Trainer) -> dict[str, Any]:
     """The objects and values a checkpoint of this run holds (filled in place on resume)."""
-    state: dict[str, Any] = {"module": tr._prepared_module, "precision": tr.rig.precision}
+    state: dict[str, Any] = {"module": tr.run.prepared_module, "precision": tr.rig.precision}
     for i, opt in enumerate(tr.optimizers):
         state[f"optimizer_{i}"] = opt
     for i, cfg in enumerate(tr.lr_scheduler_configs):
         state[f"scheduler_{i}"] = cfg.scheduler
-    if tr._train_loader is not None:
-        state["train_loader"] = tr._train_loader
+    if tr.run.train_loader is not None:
+        state["train_loader"] = tr.run.train_loader
     state["loop"] = tr.fit_state
-    state["train_metrics"] = tr._train_metrics
+    state["train_metrics"] = tr.run.train_metrics
     state["callbacks"] = {cb.state_key: cb.state_dict() for cb in tr.callbacks}
     for cb in tr.callbacks:  # tensors a callback keeps (EMA's average): module entries of their own
         state.update({f"{cb.state_key}.{name}": m for name, m in cb.checkpoint_modules(tr).items()})
@@ -320,9 +381,9 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     state = checkpoint_state(tr)
     left = tr.rig.load(path, state)
     _align_batch_index(tr)
-    tr._resumed_from = path.resolve()
+    tr.run.resumed_from = path.resolve()
     fs = tr.fit_state
-    shown = f"{path} -> {tr._resumed_from.name}" if path.is_symlink() else str(tr._resumed_from)
+    shown = f"{path} -> {tr.run.resumed_from.name}" if path.is_symlink() else str(tr.run.resumed_from)
     epoch = fs.epoch + 2 if fs.epoch_finished else fs.epoch + 1  # counted from 1, as the progress bar does
     mid = fs.batch_idx and not fs.epoch_finished
     where = f"in epoch {epoch} after {fs.batch_idx} batches" if mid else f"with epoch {epoch}"
@@ -332,8 +393,8 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
         if cb.state_key in saved:
             cb.load_state_dict(saved[cb.state_key])
     for cb in tr.callbacks:
-        cb.on_load_checkpoint(tr, tr._require_module(), left.get("callback_extras", {}))
-    tr._resumed = True
+        cb.on_load_checkpoint(tr, tr.run.require_module(), left.get("callback_extras", {}))
+    tr.run.resumed = True
 
 
 def _align_batch_index(tr: Trainer) -> None:
@@ -343,7 +404,7 @@ def _align_batch_index(tr: Trainer) -> None:
     through the global sample position; the fit state's batch index must follow it, or the end
     of the epoch (validation, the last accumulation boundary) would come at the wrong batch.
     """
-    loader, state = tr._train_loader, tr.fit_state
+    loader, state = tr.run.train_loader, tr.fit_state
     if not isinstance(loader, RigDataLoader) or state.epoch_finished:
         return
     if loader.epoch == state.epoch:
