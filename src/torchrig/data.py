@@ -76,7 +76,9 @@ class ResumableSampler(Sampler[int]):
         return self.num_samples - self.skip
 
 
-def _loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
+def loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The keyword arguments ``loader`` was built with, other than its dataset, batching and
+    sampling (workers, collate_fn, pinning...): what a rebuilt copy of it passes on."""
     kw: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
@@ -119,7 +121,7 @@ def rebuild_with_sampler(
         rank=rank,
         drop_last=bs.drop_last,
     )
-    kw = _loader_kwargs(loader)
+    kw = loader_kwargs(loader)
     kw["pin_memory"] = kw["pin_memory"] or pin_memory
     return DataLoader(loader.dataset, batch_size=bs.batch_size, sampler=sampler, drop_last=bs.drop_last, **kw)
 

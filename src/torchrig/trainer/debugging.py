@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from torchrig import arguments
-from torchrig.data import _loader_kwargs
+from torchrig.data import loader_kwargs
 from torchrig.trainer.checkpointing import ModelCheckpoint
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def train_loader(tr: Trainer, loader: Any) -> Any:
     ):
         return loader
     batch_size, drop_last = loader.batch_sampler.batch_size, loader.batch_sampler.drop_last
-    kwargs = _loader_kwargs(loader)  # workers, collate_fn, pinning... as given
+    kwargs = loader_kwargs(loader)  # workers, collate_fn, pinning... as given
     sampler = SequentialSampler(loader.dataset)  # type: ignore[arg-type]
     return DataLoader(loader.dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
 
