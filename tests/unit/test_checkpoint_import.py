@@ -41,8 +41,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COLUMNS", "2000")  # rich would wrap the error line, even inside a path
+def narrow_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "40")  # an error line is never wrapped (a path stays whole)
 
 
 def run_import(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:

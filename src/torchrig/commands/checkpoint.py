@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         from rich.console import Console
         from rich.markup import escape
 
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         return 1
 
 
