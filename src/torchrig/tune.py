@@ -245,16 +245,13 @@ def _run_lr_find(
                 "lr_find() sweeps the learning rate of one optimizer; configure_optimizers() returned "
                 f"{len(optimizers)}"
             )
-        # The optimizer and the loader are set up for the sweep only, not registered as prepared:
-        # the fit prepares them (drawing the loader's shuffle seed) as if the sweep never ran.
+        # The optimizer is this sweep's own (the fit builds another from configure_optimizers()).
+        # The loader is set up for the sweep only, not registered as prepared: the fit prepares
+        # the same DataLoader (drawing its shuffle seed) as if the sweep never ran.
         loader = _sweep_loader(tr, train)
-        try:
-            with _Restored(tr, prepared, optimizers[0], loader):
-                optimizer = cast(RigOptimizer, tr.rig._setup_optimizer(optimizers[0]))
-                return _sweep_loop(tr, prepared, optimizer, loader, sweep)
-        finally:
-            if loader in tr.rig._loaders:
-                tr.rig._loaders.remove(loader)
+        with _Restored(tr, prepared, optimizers[0], loader):
+            optimizer = cast(RigOptimizer, tr.rig.prepare(optimizers[0]))
+            return _sweep_loop(tr, prepared, optimizer, loader, sweep)
     finally:
         stages.teardown(tr, module, datamodule, "fit")
         restore_rng(rng, tr.rig.device)
