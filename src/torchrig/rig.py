@@ -101,7 +101,6 @@ class Rig:
                 self.strategy.timeout = seconds
         # Weak, so an object that died cannot make a new one at the same id() look prepared.
         self._prepared: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        self._loaders: list[RigDataLoader] = []  # what this Rig prepared (tune.lr_find drops its sweep loader)
         #: The prepared loader that yielded the batch being processed: the last one of this Rig's
         #: prepared loaders to give out a batch (None before the first). ``gather_for_metrics``
         #: reads it to drop the duplicates a distributed sampler pads that loader's last batch with.
@@ -276,7 +275,6 @@ class Rig:
         wrapped = RigDataLoader(
             rebuilt if rebuilt is not None else loader, device=self.device, seed=seed, on_batch=self._batch_from
         )
-        self._loaders.append(wrapped)
         return wrapped
 
     def _batch_from(self, loader: RigDataLoader) -> None:
