@@ -24,6 +24,7 @@ from torchrig.strategies.base import Strategy, check_reduce_op
 from torchrig.strategies.environment import ClusterEnvironment, detect_environment
 from torchrig.strategies.hangs import collective
 from torchrig.strategies.launch import SubprocessLauncher, install_failure_report, spawn, watch_parent
+from torchrig.strategies.shutdown import settle_at_exit
 
 START_METHODS = ("popen", "spawn", "fork")
 #: PyTorch's own default process-group timeout.
@@ -161,6 +162,7 @@ class ParallelStrategy(Strategy):
         )
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
+        settle_at_exit()  # registered before _destroy_group below, so it runs after it
         if not dist.is_initialized():
             self._init_process_group(backend, env)
             self._owns_group = True
@@ -242,9 +244,9 @@ class ParallelStrategy(Strategy):
     def _destroy_group(self) -> None:
         if self._owns_group and dist.is_initialized():
             # DDP's reducer and hooks form reference cycles that keep the process group (and the
-            # backend's worker threads) alive until a garbage collection. Collect them now, while
-            # the interpreter is whole: freed during interpreter shutdown instead, gloo's threads
-            # can abort the process ("terminate called without an active exception") at exit.
+            # backend's worker threads) alive until a garbage collection: collect them now, so a
+            # group nothing else holds is freed while the interpreter is whole. The threads of a
+            # group still held (a live DDP module) are waited for by shutdown.settle_at_exit.
             gc.collect()
             dist.destroy_process_group()
         self._owns_group = False
