@@ -338,7 +338,7 @@ def _sweep_loop(tr: Trainer, prepared: Any, optimizer: RigOptimizer, loader: Any
             raise ValueError(f"lr_find(): training_step returned None for batch {i}; it must return a loss")
         backward(loss)
         if tr.gradient_clip_val is not None:
-            loops.clip_gradients(tr, prepared, [optimizer])
+            tr.run.clip_gradients(prepared, [optimizer])
         step()
         zero_grad()
         # One host sync per step (the finder's early stop must be decided alike on every rank).

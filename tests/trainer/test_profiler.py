@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainer_helpers import Regressor, loader, quiet_trainer
 
 import torchrig
-from torchrig.trainer import loops
 from torchrig.trainer.profiler import PHASES, Profiler, PyTorchProfiler, SimpleProfiler
 
 
@@ -164,10 +163,10 @@ def test_without_a_profiler_the_loop_calls_no_wrapper(tmp_path: Path, monkeypatc
     trainer = quiet_trainer(tmp_path, max_epochs=1, enable_model_summary=False)
     trainer.fit(Regressor(), loader(), loader())
     assert called == []
-    runner = loops._batch_runner(trainer)
+    runner = trainer.run.batch_runner()
     assert runner.__closure__ is not None
     cells = [c.cell_contents for c in runner.__closure__]
-    assert loops._log_step in cells and loops.clip_gradients in cells  # not wrapped
+    assert trainer.run.log_step in cells and trainer.run.clip_gradients in cells  # not wrapped
 
 
 def test_a_custom_profiler_sees_every_phase(tmp_path: Path) -> None:

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torchrig.preemption import Preempted
 from torchrig.trainer.metrics import MetricStore, to_floats
 from torchrig.trainer.profiler import BACKWARD, DATA, LOGGING, OPTIMIZER, STEP, VALIDATION
+from torchrig.trainer.run import RunState
 
 if TYPE_CHECKING:
-    from torchrig.trainer.trainer import Trainer
+    pass
 
 
 @dataclass
@@ -79,259 +80,448 @@ def num_batches(loader: Any, limit: int | float) -> int | float:
     return int(length * limit)
 
 
-# -- fit ----------------------------------------------------------------------------------
-def check_training_batches(tr: Trainer) -> None:
-    """Refuse, before the first epoch, a training loader that gives some process no batch.
+class Run(RunState):
+    """A Trainer's run (its state: :class:`~torchrig.trainer.run.RunState`) and the loops it runs:
+    :meth:`fit`, :meth:`evaluate` and :meth:`predict`. ``self.trainer`` (``tr`` in the loops) is
+    the configuration and the values users read; everything alive only while the run goes is
+    on ``self``."""
 
-    Otherwise the fit runs ``max_epochs`` empty epochs (every epoch-end hook, scheduler and
-    validation) and trains nothing. Every process takes part in the decision (once per fit), so
-    a sampler that leaves one rank empty stops every rank, not only that one.
-    ``limit_train_batches=0`` asks for no training and is left alone.
-    """
-    n = tr.num_training_batches
-    empty_here = n == 0 and tr.limit_train_batches != 0
-    if tr.rig.reduce_boolean_decision(empty_here, all=False):
-        raise _no_batches(tr, empty_here)
+    # -- fit ----------------------------------------------------------------------------------
+    def check_training_batches(self) -> None:
+        """Refuse, before the first epoch, a training loader that gives some process no batch.
 
+        Otherwise the fit runs ``max_epochs`` empty epochs (every epoch-end hook, scheduler and
+        validation) and trains nothing. Every process takes part in the decision (once per fit), so
+        a sampler that leaves one rank empty stops every rank, not only that one.
+        ``limit_train_batches=0`` asks for no training and is left alone.
+        """
+        tr = self.trainer
+        n = tr.num_training_batches
+        empty_here = n == 0 and tr.limit_train_batches != 0
+        if tr.rig.reduce_boolean_decision(empty_here, all=False):
+            raise self.no_batches_error(empty_here)
 
-def _no_batches(tr: Trainer, empty_here: bool) -> ValueError:
-    """The error for a training loader that gave this process (or another one) no batch."""
-    loader = tr.run.train_loader
-    inner = getattr(loader, "loader", loader)
-    dataset = getattr(inner, "dataset", None)
-    samples = length_of(dataset)
-    size = "a dataset" if math.isinf(samples) else f"{samples} samples"
-    batching = f"batch_size={getattr(inner, 'batch_size', None)}, drop_last={getattr(inner, 'drop_last', False)}"
-    world = tr.rig.world_size
-    if not empty_here:
-        where = f" on another of the {world} processes"
-    else:
-        where = f" on process {tr.rig.global_rank} of {world}" if world > 1 else ""
-    limited = empty_here and 0 < length_of(loader) < math.inf
-    limit = f" under limit_train_batches={tr.limit_train_batches}" if limited else ""
-    return ValueError(
-        f"train_dataloaders has 0 batches{where}{limit} ({size}, {batching}), so the fit would train nothing. "
-        "Common causes: a dataset smaller than batch_size with drop_last=True; an empty dataset; with several "
-        "processes, a sampler that leaves a process's share of the dataset empty; a limit_train_batches fraction "
-        "that rounds down to 0."
-    )
+    def no_batches_error(self, empty_here: bool) -> ValueError:
+        """The error for a training loader that gave this process (or another one) no batch."""
+        tr = self.trainer
+        loader = self.train_loader
+        inner = getattr(loader, "loader", loader)
+        dataset = getattr(inner, "dataset", None)
+        samples = length_of(dataset)
+        size = "a dataset" if math.isinf(samples) else f"{samples} samples"
+        batching = f"batch_size={getattr(inner, 'batch_size', None)}, drop_last={getattr(inner, 'drop_last', False)}"
+        world = tr.rig.world_size
+        if not empty_here:
+            where = f" on another of the {world} processes"
+        else:
+            where = f" on process {tr.rig.global_rank} of {world}" if world > 1 else ""
+        limited = empty_here and 0 < length_of(loader) < math.inf
+        limit = f" under limit_train_batches={tr.limit_train_batches}" if limited else ""
+        return ValueError(
+            f"train_dataloaders has 0 batches{where}{limit} ({size}, {batching}), so the fit would train nothing. "
+            "Common causes: a dataset smaller than batch_size with drop_last=True; an empty dataset; with several "
+            "processes, a sampler that leaves a process's share of the dataset empty; a limit_train_batches fraction "
+            "that rounds down to 0."
+        )
 
-
-def run_fit(trainer: Trainer) -> None:
-    """Sanity check, then epochs until ``max_epochs``, ``max_steps``, ``max_time`` or a stop."""
-    tr, state = trainer, trainer.fit_state
-    check_manual_optimization(tr)
-    if not tr.run.resumed and tr.num_sanity_val_steps != 0 and tr.run.has_validation():
-        limit = math.inf if tr.num_sanity_val_steps == -1 else tr.num_sanity_val_steps
-        run_evaluation(tr, "sanity_check", limit_override=limit)
-    tr.run.call_module("on_train_start")
-    tr.run.started_at = time.monotonic()
-    tr.run.sparse_due = 0.0  # the sparse batch-end hooks see the first batch
-    if state.epoch_finished:
-        state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
-    profiler = tr.profiler
-    if profiler is not None:
-        profiler.start(tr)
-    try:
-        while not _fit_done(tr):
-            found = tr.run.signals.poll()  # a stop signal between epochs: the state is an epoch's end
-            if found:
-                stop_at_step(found)
-            run_train_epoch(tr)
+    def fit(self) -> None:
+        """Sanity check, then epochs until ``max_epochs``, ``max_steps``, ``max_time`` or a stop."""
+        tr = self.trainer
+        state = tr.fit_state
+        self.check_manual_optimization()
+        if not self.resumed and tr.num_sanity_val_steps != 0 and self.has_validation():
+            limit = math.inf if tr.num_sanity_val_steps == -1 else tr.num_sanity_val_steps
+            self.evaluate("sanity_check", limit_override=limit)
+        self.call_module("on_train_start")
+        self.started_at = time.monotonic()
+        self.sparse_due = 0.0  # the sparse batch-end hooks see the first batch
+        if state.epoch_finished:
             state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
-            if tr.should_stop:
-                break
-    finally:  # also when the fit stops on an error or a signal: the profiler reports what it saw
+        profiler = tr.profiler
         if profiler is not None:
-            profiler.stop(tr)
-    tr.run.call_module("on_train_end")
+            profiler.start(tr)
+        try:
+            while not self.fit_done():
+                found = self.signals.poll()  # a stop signal between epochs: the state is an epoch's end
+                if found:
+                    stop_at_step(found)
+                self.train_epoch()
+                state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
+                if tr.should_stop:
+                    break
+        finally:  # also when the fit stops on an error or a signal: the profiler reports what it saw
+            if profiler is not None:
+                profiler.stop(tr)
+        self.call_module("on_train_end")
+
+    def fit_done(self) -> bool:
+        tr = self.trainer
+        if tr.max_steps != -1 and tr.fit_state.global_step >= tr.max_steps:
+            return True
+        return tr.max_epochs != -1 and tr.fit_state.epoch >= tr.max_epochs
+
+    def train_epoch(self) -> None:
+        tr = self.trainer
+        state, loader = tr.fit_state, self.train_loader
+        assert loader is not None
+        n = tr.num_training_batches
+        if state.batch_idx == 0 and not state.val_pending:
+            self.train_metrics.reset()
+            self.call_module("on_train_epoch_start")
+            self.call_callbacks("on_train_epoch_start")
+        elif state.val_pending:  # resumed right after a batch whose validation did not run yet
+            self.validate_in_fit()
+        if state.batch_idx < n and not tr.should_stop:
+            if state.batch_idx == 0:
+                loader.set_epoch(state.epoch)  # a resumed mid-epoch loader already knows where it is
+            # Starting the epoch's iterator (workers, a sampler's shuffle) is data loading too.
+            batches = iter(loader) if tr.profiler is None else tr.profiler.wrap(DATA, iter)(loader)
+            try:
+                self.run_batches(batches, n)
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()
+            if state.batch_idx == 0 and math.isinf(n):  # a loader without a length that gave nothing
+                raise self.no_batches_error(True)
+        self.end_train_epoch()
+
+    def run_batches(self, batches: Iterator[Any], n: int | float) -> None:
+        tr = self.trainer
+        state = tr.fit_state
+        val_every = self.val_check_batches(n)
+        validate_epoch = self.has_validation() and (state.epoch + 1) % tr.check_val_every_n_epoch == 0
+        one_batch, validate = self.batch_runner(), self.validate_in_fit
+        if tr.profiler is not None:  # once per epoch: the same loop, its callables timed
+            batches, validate = tr.profiler.wrap_batches(batches), tr.profiler.wrap(VALIDATION, validate)
+        batch_idx = state.batch_idx
+        if batch_idx >= n:
+            return
+        with self.log_into(self.train_metrics, in_step=True):
+            due = self.batch_loop(
+                batches, n, batch_idx, one_batch, validate, validate_epoch, val_every, self.sparse_due
+            )
+        self.sparse_due = due
+
+    def batch_loop(
+        self,
+        batches: Iterator[Any],
+        n: int | float,
+        batch_idx: int,
+        one_batch: Callable[[Any, int, bool], Any],
+        validate: Callable[[], None],
+        validate_epoch: bool,
+        val_every: int,
+        due: float,
+    ) -> float:
+        """The batches of one epoch (inside the training step's log sink); when the sparse hooks are next due.
+
+        Worked out once per epoch, not per batch: the hot loop only calls what does something.
+        Callbacks that want the batch end at most every so many seconds (``sparse``, see
+        :meth:`Callback.event_schedule`) get it then (a clock read per batch, not a Python call) and
+        always for the last batch the loop runs.
+        """
+        tr = self.trainer
+        state, module = tr.fit_state, self.require_module()
+        batch_end = self.hooks("on_train_batch_end")
+        sparse, interval = self.sparse_batch_end()
+        clock, timed, val_at_last = time.perf_counter, tr.max_time is not None, isinstance(tr.val_check_interval, float)
+        poll, stop = self.signals.poll, 0
+        for batch in batches:
+            is_last = batch_idx + 1 >= n
+            output = one_batch(batch, batch_idx, is_last)
+            state.batch_idx = batch_idx + 1
+            if validate_epoch:
+                state.val_pending = state.batch_idx % val_every == 0 or (is_last and val_at_last)
+            for hook in batch_end:
+                hook(tr, module, output, batch, batch_idx)
+            if state.val_pending:
+                validate()
+            if timed and self.time_is_up():
+                tr.should_stop = True
+            if not stop:
+                stop = poll()  # collective: the same batches on every rank
+            # Inside an epoch only max_steps (of fit_done's limits), a stop or a stop signal can end the fit.
+            final = is_last or tr.should_stop or stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
+            if sparse and (final or clock() >= due):  # after this batch's validation, if any
+                for hook in sparse:
+                    hook(tr, module, output, batch, batch_idx)
+                due = clock() + interval
+            if final:
+                if stop:  # stop at an optimizer step, where a checkpoint is exact
+                    if state.batch_idx % tr.accumulate_grad_batches and not is_last:
+                        batch_idx += 1
+                        continue
+                    stop_at_step(stop)
+                break
+            batch_idx += 1
+        return due
+
+    def batch_runner(self) -> Callable[[Any, int, bool], Any]:
+        """``one_batch(batch, batch_idx, is_last)``: one micro-batch (forward, backward) and, at an
+        accumulation boundary, the optimizer step and the step's logging; returns what
+        ``training_step`` returned.
+
+        Built at the start of each epoch's batches, so the objects it uses (the prepared module and
+        optimizers, the Rig, the fit state, the metric store) are looked up once, not per batch.
+        The Trainer's settings (accumulation, clipping, logging interval, schedulers, loggers) are
+        read at each batch, so a callback may still change them mid-epoch.
+
+        Inside a step each Python call costs about a microsecond, several times what it costs in a
+        micro-benchmark (the step's kernels leave the caches cold for the interpreter), a sizable part
+        of a small model's step. So the step's bookkeeping is written inline here, not in helpers.
+        """
+        tr = self.trainer
+        prepared = self.prepared_module
+        assert prepared is not None
+        if not prepared.module.automatic_optimization:
+            return self.manual_batch_runner()
+        rig, state, optimizers = tr.rig, tr.fit_state, list(tr.optimizers)
+        training_step = prepared.step_caller(self.require_module().training_step)
+        # Rig's public API, as a hand-written loop uses it; bound once per epoch, not per batch.
+        backward, steps, zeros = rig.backward, [o.step for o in optimizers], [o.zero_grad for o in optimizers]
+        clip, schedulers, log_step = self.clip_gradients, self.step_schedulers, self.log_step
+        profiler = tr.profiler
+        if profiler is not None:  # the same step with its callables timed (chosen once per epoch)
+            training_step, backward = profiler.wrap(STEP, training_step), profiler.wrap(BACKWARD, backward)
+            steps, zeros = [profiler.wrap(OPTIMIZER, f) for f in steps], [profiler.wrap(OPTIMIZER, f) for f in zeros]
+            clip, schedulers = profiler.wrap(OPTIMIZER, clip), profiler.wrap(OPTIMIZER, schedulers)
+            log_step = profiler.wrap(LOGGING, log_step)
+
+        # Token-weighted steps (a dict with "num_items"): the window's count and the gradient scaling.
+        items = ItemWindow(rig.world_size, rig.device, optimizers)
+        finish = items.finish if profiler is None else profiler.wrap(OPTIMIZER, items.finish)
+
+        def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
+            accumulate = tr.accumulate_grad_batches
+            if accumulate == 1:  # every batch is a boundary: no context manager, no division
+                output = training_step(batch, batch_idx)
+                if type(output) is torch.Tensor:
+                    backward(output)
+                elif type(output) is dict and "num_items" in output:
+                    backward(items.add(output, batch_idx, 1, True))
+                    finish(batch_idx)
+                else:
+                    loss = loss_of(output)
+                    if loss is not None:
+                        backward(loss)
+            else:
+                boundary = (batch_idx + 1) % accumulate == 0 or is_last
+                with rig.no_backward_sync(prepared, enabled=not boundary):
+                    output = training_step(batch, batch_idx)
+                    if type(output) is dict and "num_items" in output:
+                        backward(items.add(output, batch_idx, accumulate, boundary))
+                    else:
+                        loss = loss_of(output)
+                        if loss is not None:
+                            backward(loss / accumulate)
+                            items.plain_at = batch_idx
+                if not boundary:
+                    return output
+                if items.open:  # also when this window's last batch returned None or a plain loss
+                    finish(batch_idx)
+            # The optimizer step: clip, step and zero every optimizer, step the per-step schedulers.
+            if tr.gradient_clip_val is not None:
+                clip(prepared, optimizers)
+            for step in steps:
+                step()
+            for zero_grad in zeros:
+                zero_grad()
+            state.global_step += 1
+            if tr.lr_scheduler_configs:
+                schedulers("step", state.global_step)
+            if state.global_step % tr.log_every_n_steps == 0:
+                log_step()
+            return output
+
+        return one_batch
+
+    def manual_batch_runner(self) -> Callable[[Any, int, bool], Any]:
+        """``one_batch`` under manual optimization (``automatic_optimization = False``):
+        ``training_step`` runs the backward passes and optimizer steps itself; each batch counts as
+        one step (``global_step``, ``max_steps``, ``log_every_n_steps``). Chosen once per epoch's
+        batches, so the automatic path has no branch for it."""
+        tr = self.trainer
+        prepared = self.prepared_module
+        assert prepared is not None
+        state, rig = tr.fit_state, tr.rig
+        # As the wrapped module's forward (DDP), or not (FSDP2): see Strategy.manual_step_caller.
+        step_caller = rig.strategy.manual_step_caller(prepared, self.require_module().training_step)
+        training_step = _without_autocast_cache(step_caller) if rig.precision.is_mixed else step_caller
+        log_step = self.log_step
+        if tr.profiler is not None:  # the step's backward passes and optimizer steps count in training_step
+            training_step, log_step = tr.profiler.wrap(STEP, training_step), tr.profiler.wrap(LOGGING, log_step)
+
+        def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
+            output = training_step(batch, batch_idx)
+            state.global_step += 1
+            if state.global_step % tr.log_every_n_steps == 0:
+                log_step()
+            return output
+
+        return one_batch
+
+    def check_manual_optimization(self) -> None:
+        """Refuse, when a fit starts, the Trainer settings that step the optimizers for a module that
+        steps them itself."""
+        tr = self.trainer
+        module = self.require_module()
+        if module.automatic_optimization:
+            return
+        name = type(module).__name__
+        if tr.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={tr.accumulate_grad_batches}) accumulates for the Trainer's own "
+                f"optimizer steps, but {name} sets automatic_optimization = False: step every n-th batch in "
+                "training_step (with self.no_backward_sync() around the other backward passes)"
+            )
+        if tr.gradient_clip_val is not None:
+            raise ValueError(
+                f"Trainer(gradient_clip_val={tr.gradient_clip_val}) clips at the Trainer's own optimizer steps, but "
+                f"{name} sets automatic_optimization = False: call self.clip_gradients(optimizer, "
+                "gradient_clip_val=...) in training_step before optimizer.step()"
+            )
+
+    def log_step(self) -> None:
+        """Send the step values to the loggers (every ``log_every_n_steps`` optimizer steps)."""
+        tr = self.trainer
+        values: dict[str, Any] = self.train_metrics.step_values(for_logger=True)  # a fresh dict
+        if values:
+            values["epoch"] = tr.fit_state.epoch
+            self.log_to_loggers(values)
+
+    def clip_gradients(self, module: torch.nn.Module, optimizers: list[Any]) -> None:
+        tr = self.trainer
+        clip = tr.gradient_clip_val  # checked when the Trainer was built (arguments.clip_threshold)
+        max_norm, clip_val = (clip, None) if tr.gradient_clip_algorithm == "norm" else (None, clip)
+        for opt in optimizers:
+            tr.rig.clip_gradients(module, opt, max_norm=max_norm, clip_val=clip_val)
+
+    def step_schedulers(self, interval: str, count: int) -> None:
+        tr = self.trainer
+        for cfg in tr.lr_scheduler_configs:
+            if cfg.interval != interval or count % cfg.frequency:
+                continue
+            if cfg.monitor is None:
+                cfg.scheduler.step()
+                continue
+            metrics = tr.callback_metrics
+            if cfg.monitor not in metrics:
+                raise ValueError(
+                    f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
+                    f"logged: {sorted(metrics) or 'none'}"
+                )
+            cfg.scheduler.step(float(metrics[cfg.monitor]))
+
+    def validate_in_fit(self) -> None:
+        tr = self.trainer
+        self.evaluate("validate")
+        tr.fit_state.val_pending = False
+        with self.log_into(self.eval_metrics):
+            self.call_callbacks("on_validation_end")
+
+    def end_train_epoch(self) -> None:
+        tr = self.trainer
+        with self.log_into(self.train_metrics):
+            self.call_module("on_train_epoch_end")
+        epoch_values = self.train_metrics.epoch_values()
+        self.epoch_metrics.update(epoch_values)
+        logged = self.train_metrics.logger_keys(epoch_values)
+        if logged:
+            self.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
+        if self.require_module().automatic_optimization:  # manual optimization steps its own schedulers
+            self.step_schedulers("epoch", tr.fit_state.epoch + 1)
+        tr.fit_state.epoch_finished = True
+        self.call_callbacks("on_train_epoch_end")
+
+    # -- evaluation and predict ---------------------------------------------------------------
+    def evaluate(self, stage: str, limit_override: float | None = None) -> list[dict[str, torch.Tensor]]:
+        """Run ``validation_step``/``test_step`` over the stage's loaders; the epoch metrics per loader."""
+        loaders = self.eval_loaders[stage if stage != "sanity_check" else "validate"]
+        prepared = self.prepared_module
+        assert prepared is not None
+        method = prepared.module.test_step if stage == "test" else prepared.module.validation_step
+        store, was_training = self.eval_metrics, prepared.module.training
+        store.reset()
+        with self.log_into(store):
+            prepared.module.eval()
+            self.call_callbacks("on_eval_start", stage)
+            try:
+                with torch.no_grad():
+                    for idx, loader in enumerate(loaders):
+                        n = num_batches(loader, self.eval_limit(stage)) if limit_override is None else limit_override
+                        if len(loaders) > 1:  # each loader's values kept apart: name/dataloader_idx_N
+                            with self.log_into(store, suffix=f"/dataloader_idx_{idx}"):
+                                self.eval_loader(stage, method, loader, idx, n)
+                        else:
+                            self.eval_loader(stage, method, loader, None, n)
+                    if stage in ("validate", "sanity_check"):
+                        self.call_module("on_validation_epoch_end")
+            finally:
+                prepared.module.train(was_training)
+            return self.end_evaluation(stage, store, len(loaders))
+
+    def end_evaluation(self, stage: str, store: MetricStore, count: int) -> list[dict[str, torch.Tensor]]:
+        tr = self.trainer
+        values = store.epoch_values()
+        results = _split_by_loader(values, count)
+        if stage != "sanity_check":
+            self.epoch_metrics.update(values)
+            logged = store.logger_keys(values)
+            if logged and self.stage == "fit":
+                self.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
+            elif logged:
+                self.log_to_loggers(logged)
+        self.call_callbacks("on_eval_end", stage)
+        return results
+
+    def eval_loader(self, stage: str, method: Any, loader: Any, idx: int | None, n: float) -> None:
+        prepared = self.prepared_module
+        assert prepared is not None
+        if n <= 0:
+            return
+        call, with_idx = prepared.step_caller(method), idx is not None and _takes_loader_index(method)
+        for batch_idx, batch in enumerate(loader):
+            output = call(batch, batch_idx, idx) if with_idx else call(batch, batch_idx)
+            self.call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
+            if batch_idx + 1 >= n:
+                break
+
+    def predict(self) -> list[Any]:
+        """Predictions per batch, in dataset order, gathered from every process.
+
+        On ``W`` processes each returned batch holds the ``W`` per-process batches of one step,
+        interleaved back into dataset order (:meth:`torchrig.Rig.gather_for_metrics`).
+        """
+        tr = self.trainer
+        prepared = self.prepared_module
+        assert prepared is not None
+        loaders = self.eval_loaders["predict"]
+        prepared.module.eval()
+        self.call_callbacks("on_eval_start", "predict")
+        results: list[Any] = []
+        with torch.no_grad():
+            for loader in loaders:
+                n = num_batches(loader, tr.limit_predict_batches)
+                outputs: list[Any] = []
+                predict_step = prepared.step_caller(prepared.module.predict_step)
+                for batch_idx, batch in enumerate(loader):
+                    if batch_idx >= n:
+                        break
+                    out = predict_step(batch, batch_idx)
+                    self.call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
+                    # In dataset order, each sample once (the sampler's padding dropped); free in one process.
+                    outputs.append(tr.rig.gather_for_metrics(out))
+                results.append(outputs)
+        self.call_callbacks("on_eval_end", "predict")
+        return results[0] if len(results) == 1 else results
 
 
 def stop_at_step(signum: int) -> NoReturn:
     """End a fit that a stop signal (agreed by every rank) asked to stop, now that it is at an
     optimizer step, the state a checkpoint saves exactly: the Trainer saves ``last``, then exits
-    (see ``runner._on_error``)."""
+    (see ``stages._on_error``)."""
     raise Preempted(signum)
-
-
-def _fit_done(tr: Trainer) -> bool:
-    if tr.max_steps != -1 and tr.fit_state.global_step >= tr.max_steps:
-        return True
-    return tr.max_epochs != -1 and tr.fit_state.epoch >= tr.max_epochs
-
-
-def run_train_epoch(tr: Trainer) -> None:
-    state, loader = tr.fit_state, tr.run.train_loader
-    assert loader is not None
-    n = tr.num_training_batches
-    if state.batch_idx == 0 and not state.val_pending:
-        tr.run.train_metrics.reset()
-        tr.run.call_module("on_train_epoch_start")
-        tr.run.call_callbacks("on_train_epoch_start")
-    elif state.val_pending:  # resumed right after a batch whose validation did not run yet
-        _validate_in_fit(tr)
-    if state.batch_idx < n and not tr.should_stop:
-        if state.batch_idx == 0:
-            loader.set_epoch(state.epoch)  # a resumed mid-epoch loader already knows where it is
-        # Starting the epoch's iterator (workers, a sampler's shuffle) is data loading too.
-        batches = iter(loader) if tr.profiler is None else tr.profiler.wrap(DATA, iter)(loader)
-        try:
-            _run_batches(tr, batches, n)
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()
-        if state.batch_idx == 0 and math.isinf(n):  # a loader without a length that gave nothing
-            raise _no_batches(tr, True)
-    _end_train_epoch(tr)
-
-
-def _run_batches(tr: Trainer, batches: Iterator[Any], n: int | float) -> None:
-    state = tr.fit_state
-    val_every = tr.run.val_check_batches(n)
-    validate_epoch = tr.run.has_validation() and (state.epoch + 1) % tr.check_val_every_n_epoch == 0
-    one_batch, validate = _batch_runner(tr), _validate_in_fit
-    if tr.profiler is not None:  # once per epoch: the same loop, its callables timed
-        batches, validate = tr.profiler.wrap_batches(batches), tr.profiler.wrap(VALIDATION, validate)
-    batch_idx = state.batch_idx
-    if batch_idx >= n:
-        return
-    with tr.run.log_into(tr.run.train_metrics, in_step=True):
-        due = _batch_loop(tr, batches, n, batch_idx, one_batch, validate, validate_epoch, val_every, tr.run.sparse_due)
-    tr.run.sparse_due = due
-
-
-def _batch_loop(
-    tr: Trainer,
-    batches: Iterator[Any],
-    n: int | float,
-    batch_idx: int,
-    one_batch: Callable[[Any, int, bool], Any],
-    validate: Callable[[Trainer], None],
-    validate_epoch: bool,
-    val_every: int,
-    due: float,
-) -> float:
-    """The batches of one epoch (inside the training step's log sink); when the sparse hooks are next due.
-
-    Worked out once per epoch, not per batch: the hot loop only calls what does something.
-    Callbacks that want the batch end at most every so many seconds (``sparse``, see
-    :meth:`Callback.event_schedule`) get it then (a clock read per batch, not a Python call) and
-    always for the last batch the loop runs.
-    """
-    state, module = tr.fit_state, tr.run.require_module()
-    batch_end = tr.run.hooks("on_train_batch_end")
-    sparse, interval = tr.run.sparse_batch_end()
-    clock, timed, val_at_last = time.perf_counter, tr.max_time is not None, isinstance(tr.val_check_interval, float)
-    poll, stop = tr.run.signals.poll, 0
-    for batch in batches:
-        is_last = batch_idx + 1 >= n
-        output = one_batch(batch, batch_idx, is_last)
-        state.batch_idx = batch_idx + 1
-        if validate_epoch:
-            state.val_pending = state.batch_idx % val_every == 0 or (is_last and val_at_last)
-        for hook in batch_end:
-            hook(tr, module, output, batch, batch_idx)
-        if state.val_pending:
-            validate(tr)
-        if timed and tr.run.time_is_up():
-            tr.should_stop = True
-        if not stop:
-            stop = poll()  # collective: the same batches on every rank
-        # Inside an epoch only max_steps (of _fit_done's limits), a stop or a stop signal can end the fit.
-        final = is_last or tr.should_stop or stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
-        if sparse and (final or clock() >= due):  # after this batch's validation, if any
-            for hook in sparse:
-                hook(tr, module, output, batch, batch_idx)
-            due = clock() + interval
-        if final:
-            if stop:  # stop at an optimizer step, where a checkpoint is exact
-                if state.batch_idx % tr.accumulate_grad_batches and not is_last:
-                    batch_idx += 1
-                    continue
-                stop_at_step(stop)
-            break
-        batch_idx += 1
-    return due
-
-
-def _batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
-    """``one_batch(batch, batch_idx, is_last)``: one micro-batch (forward, backward) and, at an
-    accumulation boundary, the optimizer step and the step's logging; returns what
-    ``training_step`` returned.
-
-    Built at the start of each epoch's batches, so the objects it uses (the prepared module and
-    optimizers, the Rig, the fit state, the metric store) are looked up once, not per batch.
-    The Trainer's settings (accumulation, clipping, logging interval, schedulers, loggers) are
-    read at each batch, so a callback may still change them mid-epoch.
-
-    Inside a step each Python call costs about a microsecond, several times what it costs in a
-    micro-benchmark (the step's kernels leave the caches cold for the interpreter), a sizable part
-    of a small model's step. So the step's bookkeeping is written inline here, not in helpers.
-    """
-    prepared = tr.run.prepared_module
-    assert prepared is not None
-    if not prepared.module.automatic_optimization:
-        return _manual_batch_runner(tr)
-    rig, state, optimizers = tr.rig, tr.fit_state, list(tr.optimizers)
-    training_step = prepared.step_caller(tr.run.require_module().training_step)
-    # Rig's public API, as a hand-written loop uses it; bound once per epoch, not per batch.
-    backward, steps, zeros = rig.backward, [o.step for o in optimizers], [o.zero_grad for o in optimizers]
-    clip, schedulers, log_step = clip_gradients, step_schedulers, _log_step
-    profiler = tr.profiler
-    if profiler is not None:  # the same step with its callables timed (chosen once per epoch)
-        training_step, backward = profiler.wrap(STEP, training_step), profiler.wrap(BACKWARD, backward)
-        steps, zeros = [profiler.wrap(OPTIMIZER, f) for f in steps], [profiler.wrap(OPTIMIZER, f) for f in zeros]
-        clip, schedulers = profiler.wrap(OPTIMIZER, clip), profiler.wrap(OPTIMIZER, schedulers)
-        log_step = profiler.wrap(LOGGING, log_step)
-
-    # Token-weighted steps (a dict with "num_items"): the window's count and the gradient scaling.
-    items = ItemWindow(rig.world_size, rig.device, optimizers)
-    finish = items.finish if profiler is None else profiler.wrap(OPTIMIZER, items.finish)
-
-    def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
-        accumulate = tr.accumulate_grad_batches
-        if accumulate == 1:  # every batch is a boundary: no context manager, no division
-            output = training_step(batch, batch_idx)
-            if type(output) is torch.Tensor:
-                backward(output)
-            elif type(output) is dict and "num_items" in output:
-                backward(items.add(output, batch_idx, 1, True))
-                finish(batch_idx)
-            else:
-                loss = loss_of(output)
-                if loss is not None:
-                    backward(loss)
-        else:
-            boundary = (batch_idx + 1) % accumulate == 0 or is_last
-            with rig.no_backward_sync(prepared, enabled=not boundary):
-                output = training_step(batch, batch_idx)
-                if type(output) is dict and "num_items" in output:
-                    backward(items.add(output, batch_idx, accumulate, boundary))
-                else:
-                    loss = loss_of(output)
-                    if loss is not None:
-                        backward(loss / accumulate)
-                        items.plain_at = batch_idx
-            if not boundary:
-                return output
-            if items.open:  # also when this window's last batch returned None or a plain loss
-                finish(batch_idx)
-        # The optimizer step: clip, step and zero every optimizer, step the per-step schedulers.
-        if tr.gradient_clip_val is not None:
-            clip(tr, prepared, optimizers)
-        for step in steps:
-            step()
-        for zero_grad in zeros:
-            zero_grad()
-        state.global_step += 1
-        if tr.lr_scheduler_configs:
-            schedulers(tr, "step", state.global_step)
-        if state.global_step % tr.log_every_n_steps == 0:
-            log_step(tr)
-        return output
-
-    return one_batch
 
 
 class ItemWindow:
@@ -452,31 +642,6 @@ def _short(value: Any) -> str:
     return f"{text[:60]}... ({type(value).__name__})" if len(text) > 60 else f"{text} ({type(value).__name__})"
 
 
-def _manual_batch_runner(tr: Trainer) -> Callable[[Any, int, bool], Any]:
-    """``one_batch`` under manual optimization (``automatic_optimization = False``):
-    ``training_step`` runs the backward passes and optimizer steps itself; each batch counts as
-    one step (``global_step``, ``max_steps``, ``log_every_n_steps``). Chosen once per epoch's
-    batches, so the automatic path has no branch for it."""
-    prepared = tr.run.prepared_module
-    assert prepared is not None
-    state, rig = tr.fit_state, tr.rig
-    # As the wrapped module's forward (DDP), or not (FSDP2): see Strategy.manual_step_caller.
-    step_caller = rig.strategy.manual_step_caller(prepared, tr.run.require_module().training_step)
-    training_step = _without_autocast_cache(step_caller) if rig.precision.is_mixed else step_caller
-    log_step = _log_step
-    if tr.profiler is not None:  # the step's backward passes and optimizer steps count in training_step
-        training_step, log_step = tr.profiler.wrap(STEP, training_step), tr.profiler.wrap(LOGGING, log_step)
-
-    def one_batch(batch: Any, batch_idx: int, is_last: bool) -> Any:
-        output = training_step(batch, batch_idx)
-        state.global_step += 1
-        if state.global_step % tr.log_every_n_steps == 0:
-            log_step(tr)
-        return output
-
-    return one_batch
-
-
 def _without_autocast_cache(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` with autocast's cache of half-precision weight copies off.
 
@@ -498,133 +663,6 @@ def _without_autocast_cache(step: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def check_manual_optimization(tr: Trainer) -> None:
-    """Refuse, when a fit starts, the Trainer settings that step the optimizers for a module that
-    steps them itself."""
-    module = tr.run.require_module()
-    if module.automatic_optimization:
-        return
-    name = type(module).__name__
-    if tr.accumulate_grad_batches != 1:
-        raise ValueError(
-            f"Trainer(accumulate_grad_batches={tr.accumulate_grad_batches}) accumulates for the Trainer's own "
-            f"optimizer steps, but {name} sets automatic_optimization = False: step every n-th batch in "
-            "training_step (with self.no_backward_sync() around the other backward passes)"
-        )
-    if tr.gradient_clip_val is not None:
-        raise ValueError(
-            f"Trainer(gradient_clip_val={tr.gradient_clip_val}) clips at the Trainer's own optimizer steps, but "
-            f"{name} sets automatic_optimization = False: call self.clip_gradients(optimizer, "
-            "gradient_clip_val=...) in training_step before optimizer.step()"
-        )
-
-
-def _log_step(tr: Trainer) -> None:
-    """Send the step values to the loggers (every ``log_every_n_steps`` optimizer steps)."""
-    values: dict[str, Any] = tr.run.train_metrics.step_values(for_logger=True)  # a fresh dict
-    if values:
-        values["epoch"] = tr.fit_state.epoch
-        tr.run.log_to_loggers(values)
-
-
-def clip_gradients(tr: Trainer, module: torch.nn.Module, optimizers: list[Any]) -> None:
-    clip = tr.gradient_clip_val  # checked when the Trainer was built (arguments.clip_threshold)
-    max_norm, clip_val = (clip, None) if tr.gradient_clip_algorithm == "norm" else (None, clip)
-    for opt in optimizers:
-        tr.rig.clip_gradients(module, opt, max_norm=max_norm, clip_val=clip_val)
-
-
-def step_schedulers(tr: Trainer, interval: str, count: int) -> None:
-    for cfg in tr.lr_scheduler_configs:
-        if cfg.interval != interval or count % cfg.frequency:
-            continue
-        if cfg.monitor is None:
-            cfg.scheduler.step()
-            continue
-        metrics = tr.callback_metrics
-        if cfg.monitor not in metrics:
-            raise ValueError(
-                f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; logged: {sorted(metrics) or 'none'}"
-            )
-        cfg.scheduler.step(float(metrics[cfg.monitor]))
-
-
-def _validate_in_fit(tr: Trainer) -> None:
-    run_evaluation(tr, "validate")
-    tr.fit_state.val_pending = False
-    with tr.run.log_into(tr.run.eval_metrics):
-        tr.run.call_callbacks("on_validation_end")
-
-
-def _end_train_epoch(tr: Trainer) -> None:
-    with tr.run.log_into(tr.run.train_metrics):
-        tr.run.call_module("on_train_epoch_end")
-    epoch_values = tr.run.train_metrics.epoch_values()
-    tr.run.epoch_metrics.update(epoch_values)
-    logged = tr.run.train_metrics.logger_keys(epoch_values)
-    if logged:
-        tr.run.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
-    if tr.run.require_module().automatic_optimization:  # manual optimization steps its own schedulers
-        step_schedulers(tr, "epoch", tr.fit_state.epoch + 1)
-    tr.fit_state.epoch_finished = True
-    tr.run.call_callbacks("on_train_epoch_end")
-
-
-# -- evaluation and predict ---------------------------------------------------------------
-def run_evaluation(tr: Trainer, stage: str, limit_override: float | None = None) -> list[dict[str, torch.Tensor]]:
-    """Run ``validation_step``/``test_step`` over the stage's loaders; the epoch metrics per loader."""
-    loaders = tr.run.eval_loaders[stage if stage != "sanity_check" else "validate"]
-    prepared = tr.run.prepared_module
-    assert prepared is not None
-    method = prepared.module.test_step if stage == "test" else prepared.module.validation_step
-    store, was_training = tr.run.eval_metrics, prepared.module.training
-    store.reset()
-    with tr.run.log_into(store):
-        prepared.module.eval()
-        tr.run.call_callbacks("on_eval_start", stage)
-        try:
-            with torch.no_grad():
-                for idx, loader in enumerate(loaders):
-                    n = num_batches(loader, tr.run.eval_limit(stage)) if limit_override is None else limit_override
-                    if len(loaders) > 1:  # each loader's values kept apart: name/dataloader_idx_N
-                        with tr.run.log_into(store, suffix=f"/dataloader_idx_{idx}"):
-                            _eval_loader(tr, stage, method, loader, idx, n)
-                    else:
-                        _eval_loader(tr, stage, method, loader, None, n)
-                if stage in ("validate", "sanity_check"):
-                    tr.run.call_module("on_validation_epoch_end")
-        finally:
-            prepared.module.train(was_training)
-        return _end_evaluation(tr, stage, store, len(loaders))
-
-
-def _end_evaluation(tr: Trainer, stage: str, store: MetricStore, count: int) -> list[dict[str, torch.Tensor]]:
-    values = store.epoch_values()
-    results = _split_by_loader(values, count)
-    if stage != "sanity_check":
-        tr.run.epoch_metrics.update(values)
-        logged = store.logger_keys(values)
-        if logged and tr.run.stage == "fit":
-            tr.run.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
-        elif logged:
-            tr.run.log_to_loggers(logged)
-    tr.run.call_callbacks("on_eval_end", stage)
-    return results
-
-
-def _eval_loader(tr: Trainer, stage: str, method: Any, loader: Any, idx: int | None, n: float) -> None:
-    prepared = tr.run.prepared_module
-    assert prepared is not None
-    if n <= 0:
-        return
-    call, with_idx = prepared.step_caller(method), idx is not None and _takes_loader_index(method)
-    for batch_idx, batch in enumerate(loader):
-        output = call(batch, batch_idx, idx) if with_idx else call(batch, batch_idx)
-        tr.run.call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
-        if batch_idx + 1 >= n:
-            break
-
-
 def _takes_loader_index(method: Any) -> bool:
     """Whether a ``*_step`` accepts ``dataloader_idx`` (passed only with several loaders)."""
     try:
@@ -642,35 +680,6 @@ def _split_by_loader(values: dict[str, torch.Tensor], count: int) -> list[dict[s
         suffix = f"/dataloader_idx_{idx}"
         out.append({k: v for k, v in values.items() if k.endswith(suffix) or "/dataloader_idx_" not in k})
     return out
-
-
-def run_predict(tr: Trainer) -> list[Any]:
-    """Predictions per batch, in dataset order, gathered from every process.
-
-    On ``W`` processes each returned batch holds the ``W`` per-process batches of one step,
-    interleaved back into dataset order (:meth:`torchrig.Rig.gather_for_metrics`).
-    """
-    prepared = tr.run.prepared_module
-    assert prepared is not None
-    loaders = tr.run.eval_loaders["predict"]
-    prepared.module.eval()
-    tr.run.call_callbacks("on_eval_start", "predict")
-    results: list[Any] = []
-    with torch.no_grad():
-        for loader in loaders:
-            n = num_batches(loader, tr.limit_predict_batches)
-            outputs: list[Any] = []
-            predict_step = prepared.step_caller(prepared.module.predict_step)
-            for batch_idx, batch in enumerate(loader):
-                if batch_idx >= n:
-                    break
-                out = predict_step(batch, batch_idx)
-                tr.run.call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
-                # In dataset order, each sample once (the sampler's padding dropped); free in one process.
-                outputs.append(tr.rig.gather_for_metrics(out))
-            results.append(outputs)
-    tr.run.call_callbacks("on_eval_end", "predict")
-    return results[0] if len(results) == 1 else results
 
 
 def metrics_as_floats(results: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:

@@ -296,7 +296,7 @@ class TrainingModule(nn.Module):
             warnings.warn(f"self.log({name!r}) outside a Trainer run is ignored", stacklevel=2)
             return
         # One small tuple and one dict lookup per call: the options object is built once per flags.
-        sink = trainer.run.sink  # where the running loop's block sends values (Run.log_into)
+        sink = trainer.run.sink  # where the running loop's block sends values (RunState.log_into)
         options = _OPTIONS.get((prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step))
         if options is None:
             options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step)

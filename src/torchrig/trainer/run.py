@@ -1,11 +1,12 @@
-"""``Run``: what a Trainer's ``fit``/``validate``/``test``/``predict`` keep while they run.
+"""``RunState``: what a Trainer's ``fit``/``validate``/``test``/``predict`` keep while they run.
 
 The :class:`~torchrig.trainer.Trainer` holds the configuration (its arguments) and the values
-users read (``current_epoch``, ``global_step``, ``callback_metrics``...). Its :class:`Run` holds
-the objects the loops work with: the prepared module and loaders, the metric stores and where
-``self.log`` writes (:meth:`Run.log_into`), the callbacks' hook lists, the stop-signal watch and
-the clocks. The loops (:mod:`torchrig.trainer.loops`) and the entry points
-(:mod:`torchrig.trainer.stages`) read and change it through these public members.
+users read (``current_epoch``, ``global_step``, ``callback_metrics``...). Its run
+(:class:`torchrig.trainer.loops.Run`: this state and the loops, as its methods) holds the objects
+the loops work with: the prepared module and loaders, the metric stores and where ``self.log``
+writes (:meth:`RunState.log_into`), the callbacks' hook lists, the stop-signal watch and the
+clocks. The entry points (:mod:`torchrig.trainer.stages`) read and change it through these
+public members.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class LogSink:
     suffix: str = ""
 
 
-class Run:
+class RunState:
     """The objects of a Trainer's runs (see the module docstring)."""
 
     def __init__(self, trainer: Trainer) -> None:

@@ -57,7 +57,7 @@ def run_fit_stage(
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
         tr.run.train_loader = _prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")
-        loops.check_training_batches(tr)
+        tr.run.check_training_batches()
         _warn_if_steps_are_not_logged(tr)
         tr.run.eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
         tr.fit_state, tr.should_stop, tr.run.resumed, tr.run.resumed_from = loops.FitState(), False, False, None
@@ -77,7 +77,7 @@ def run_fit_stage(
         # Installed until the fit ends, or until the save of a stop is done (in _on_error).
         tr.run.signals = SignalWatch(tr.rig.strategy, tr.stop_signals).install()
         with debugging.anomaly_detection(tr):
-            loops.run_fit(tr)
+            tr.run.fit()
             found = tr.run.signals.settle()  # a signal during the fit's last step still stops it
             if found:
                 loops.stop_at_step(found)
@@ -119,9 +119,9 @@ def run_eval_stage(
             if path is not None:
                 tr.rig.load(path, {"module": prepared})
         if stage == "predict":
-            result: Any = loops.run_predict(tr)
+            result: Any = tr.run.predict()
         else:
-            result = loops.metrics_as_floats(loops.run_evaluation(tr, stage))
+            result = loops.metrics_as_floats(tr.run.evaluate(stage))
         _finalize_loggers(tr, "success")
         return result
     except BaseException as exc:

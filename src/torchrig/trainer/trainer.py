@@ -21,7 +21,6 @@ from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.logger_base import Logger
 from torchrig.trainer.module import SchedulerConfig, TrainingModule
 from torchrig.trainer.profiler import Profiler, resolve_profiler
-from torchrig.trainer.run import Run
 
 Limit = int | float
 
@@ -196,7 +195,7 @@ class Trainer:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         #: The objects of the runs (prepared module and loaders, metric stores, hook lists, clocks).
-        self.run = Run(self)
+        self.run = loops.Run(self)
 
     # -- what the run is at --------------------------------------------------------------------
     @property
