@@ -206,7 +206,7 @@ class Rig:
             out[i] = self._setup_optimizer(objs[i])
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
-                out[i] = self._setup_dataloader(o)
+                out[i] = self.setup_dataloader(o)
         for o in (*objs, *out):
             with contextlib.suppress(TypeError):  # an object that takes no weak reference
                 self._prepared[id(o)] = o
@@ -259,7 +259,14 @@ class Rig:
                     state[k] = v.to(self.device)
         return wrap_optimizer(optimizer, self.precision)
 
-    def _setup_dataloader(self, loader: DataLoader[Any]) -> RigDataLoader:
+    def setup_dataloader(self, loader: DataLoader[Any]) -> RigDataLoader:
+        """A new loader over ``loader``'s data for this Rig: batches on its device, each process
+        its share (what :meth:`prepare` does to a DataLoader), without recording ``loader`` as
+        prepared, so it can also be prepared, or set up again, later. For a pass over data the run
+        also trains on, made apart from it: a tuning sweep, an evaluation in its own order. Each
+        call draws a new shuffle seed from torch's RNG, as :meth:`prepare` does."""
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"setup_dataloader() takes a torch.utils.data.DataLoader; got {type(loader).__name__}")
         # The shuffle seed comes from torch's RNG (so seed_everything fixes it) and rank 0 decides.
         seed = self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item()))
         pin = self.device.type not in ("cpu", "mps")

@@ -264,7 +264,7 @@ def _sweep_loader(tr: Trainer, train: Any) -> RigDataLoader:
         return train
     if not isinstance(train, DataLoader):
         raise TypeError(f"train_dataloaders must be a torch.utils.data.DataLoader; got {type(train).__name__}")
-    return tr.rig._setup_dataloader(train)
+    return tr.rig.setup_dataloader(train)
 
 
 class _Restored:

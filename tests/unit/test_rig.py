@@ -62,6 +62,22 @@ def test_preparing_twice_is_an_error() -> None:
         _rig().prepare(prepared)
 
 
+def test_setup_dataloader_makes_a_new_loader_each_time_and_leaves_the_loader_preparable() -> None:
+    rig = _rig()
+    torch.manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=4, shuffle=True)
+    first, second = rig.setup_dataloader(loader), rig.setup_dataloader(loader)
+    assert isinstance(first, RigDataLoader) and first is not second
+    order = [b[0].tolist() for b in first]
+    assert sorted(x for batch in order for x in batch) == list(range(16))
+    prepared = rig.prepare(loader)  # not recorded as prepared by setup_dataloader
+    assert isinstance(prepared, RigDataLoader)
+    with pytest.raises(ValueError, match="DataLoader was already prepared by this Rig"):
+        rig.prepare(loader)
+    with pytest.raises(TypeError, match=r"setup_dataloader\(\) takes a torch.utils.data.DataLoader; got list"):
+        rig.setup_dataloader([1, 2])  # type: ignore[arg-type]
+
+
 def test_preparing_an_unknown_object_is_an_error() -> None:
     with pytest.raises(TypeError, match=r"prepare\(\) got a builtins.str; it takes nn.Module, torch.optim.Optimizer"):
         _rig().prepare("model")
