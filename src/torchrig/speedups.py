@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from torchrig import arguments
+
 __all__ = [
     "ActivationCheckpointing",
     "Compile",
@@ -105,13 +107,8 @@ def resolve_activation_checkpointing(value: Any) -> ActivationCheckpointing | No
     if value == "selective":
         return ActivationCheckpointing(every=2)
     if isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "selective":
-        n = value[1]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(
-                f"activation_checkpointing={value!r}: the number of ('selective', n) must be an int >= 1 "
-                "(every n-th repeated block is checkpointed)"
-            )
-        return ActivationCheckpointing(every=n)
+        name, hint = f"activation_checkpointing={value!r}: n", " (every n-th repeated block is checkpointed)"
+        return ActivationCheckpointing(every=arguments.int_in_range(name, value[1], 1, hint=hint))
     if isinstance(value, (set, frozenset, tuple, list)) and value and all(_is_block_class(c) for c in value):
         return ActivationCheckpointing(classes=tuple(value))
     raise ValueError(

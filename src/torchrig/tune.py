@@ -209,8 +209,7 @@ def _check_args(min_lr: Any, max_lr: Any, num_training: Any, threshold: Any) -> 
             raise ValueError(f"{name}={value!r} must be a finite number > 0")
     if min_lr >= max_lr:
         raise ValueError(f"min_lr={min_lr!r} must be smaller than max_lr={max_lr!r}")
-    if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 2:
-        raise ValueError(f"num_training={num_training!r} must be an int >= 2")
+    arguments.int_in_range("num_training", num_training, 2)
     if threshold is not None and (
         isinstance(threshold, bool)
         or not isinstance(threshold, (int, float))

@@ -138,7 +138,7 @@ def test_int_metrics_stay_exact_and_bad_values_are_rejected() -> None:
         buf.add({"m": torch.ones(3)}, step=0, epoch=None)
     with pytest.raises(TypeError, match="logged metric 'name' is a str; log a number or a scalar tensor"):
         buf.add({"name": "x"}, step=0, epoch=None)
-    with pytest.raises(ValueError, match="flush_every_n_steps=0 must be a positive int"):
+    with pytest.raises(ValueError, match="flush_every_n_steps=0 must be an int >= 1"):
         CSVLogger(flush_every_n_steps=0)
 
 
@@ -320,8 +320,8 @@ def test_csv_logger_flushes_by_count_and_at_the_row_cap(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"flush_every_n_steps": 0}, "flush_every_n_steps=0 must be a positive int or None"),
-        ({"flush_every_n_steps": True}, "flush_every_n_steps=True must be a positive int or None"),
+        ({"flush_every_n_steps": 0}, r"flush_every_n_steps=0 must be an int >= 1 \(or None\)"),
+        ({"flush_every_n_steps": True}, r"flush_every_n_steps=True must be an int, not bool \(or None\)"),
         ({"flush_every_seconds": 0}, r"flush_every_seconds=0 must be a positive number or None \(default 10.0\)"),
         ({"flush_every_seconds": "5"}, r"flush_every_seconds='5' must be a positive number or None"),
     ],

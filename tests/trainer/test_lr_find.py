@@ -191,8 +191,8 @@ def test_fsdp_one_process_restores_the_shards(tmp_path: Path) -> None:
         ({"max_lr": float("inf")}, "max_lr=inf must be a finite number > 0"),
         ({"max_lr": "1"}, "max_lr='1' must be a finite number > 0"),
         ({"num_training": 1}, "num_training=1 must be an int >= 2"),
-        ({"num_training": 10.0}, "num_training=10.0 must be an int >= 2"),
-        ({"num_training": True}, "num_training=True must be an int >= 2"),
+        ({"num_training": 10.0}, "num_training=10.0 must be an int, not float"),
+        ({"num_training": True}, "num_training=True must be an int, not bool"),
         ({"early_stop_threshold": 1.0}, "early_stop_threshold=1.0 must be a number > 1, or None"),
     ],
 )

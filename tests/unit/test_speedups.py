@@ -50,7 +50,8 @@ def _graphs() -> int:
         ({"activation_checkpointing": "some"}, "activation_checkpointing='some'; use None, a set of nn.Module"),
         (
             {"activation_checkpointing": ("selective", 0)},
-            "activation_checkpointing=('selective', 0): the number of ('selective', n) must be an int >= 1",
+            "activation_checkpointing=('selective', 0): n=0 must be an int >= 1 (every n-th repeated block is "
+            "checkpointed)",
         ),
         ({"activation_checkpointing": {int}}, "activation_checkpointing={<class 'int'>}; use None"),
     ],

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import yaml
 
+from torchrig import arguments
 from torchrig.trainer.logger_base import Logger
 from torchrig.trainer.metric_buffer import MetricBuffer
 
@@ -103,9 +104,8 @@ class BufferedLogger(Logger):
         flush_every_seconds: float | None = 10.0,
         rank_zero: bool | None = None,
     ) -> None:
-        bad_n = isinstance(flush_every_n_steps, bool) or not isinstance(flush_every_n_steps, int)
-        if flush_every_n_steps is not None and (bad_n or flush_every_n_steps < 1):
-            raise ValueError(f"flush_every_n_steps={flush_every_n_steps!r} must be a positive int or None")
+        if flush_every_n_steps is not None:
+            arguments.int_in_range("flush_every_n_steps", flush_every_n_steps, 1, hint=" (or None)")
         secs = flush_every_seconds
         if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or not secs > 0):
             raise ValueError(f"flush_every_seconds={secs!r} must be a positive number or None (default 10.0)")
