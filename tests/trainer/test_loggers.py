@@ -322,8 +322,8 @@ def test_csv_logger_flushes_by_count_and_at_the_row_cap(tmp_path: Path) -> None:
     [
         ({"flush_every_n_steps": 0}, r"flush_every_n_steps=0 must be an int >= 1 \(or None\)"),
         ({"flush_every_n_steps": True}, r"flush_every_n_steps=True must be an int, not bool \(or None\)"),
-        ({"flush_every_seconds": 0}, r"flush_every_seconds=0 must be a positive number or None \(default 10.0\)"),
-        ({"flush_every_seconds": "5"}, r"flush_every_seconds='5' must be a positive number or None"),
+        ({"flush_every_seconds": 0}, r"flush_every_seconds=0 must be a finite number > 0 \(or None; default 10.0\)"),
+        ({"flush_every_seconds": "5"}, r"flush_every_seconds='5' must be a number, not str \(or None; default 10.0\)"),
     ],
 )
 def test_flush_settings_are_checked(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:

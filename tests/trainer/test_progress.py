@@ -167,7 +167,7 @@ def test_to_floats_keeps_order_and_skips_non_scalars() -> None:
 
 
 def test_bad_refresh_interval() -> None:
-    with pytest.raises(ValueError, match=r"refresh_interval=-1 must be a number of seconds >= 0"):
+    with pytest.raises(ValueError, match=r"refresh_interval=-1 must be a finite number >= 0 \(seconds; default 0.5\)"):
         ProgressBar(refresh_interval=-1)
 
 

@@ -106,9 +106,9 @@ class BufferedLogger(Logger):
     ) -> None:
         if flush_every_n_steps is not None:
             arguments.int_in_range("flush_every_n_steps", flush_every_n_steps, 1, hint=" (or None)")
-        secs = flush_every_seconds
-        if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or not secs > 0):
-            raise ValueError(f"flush_every_seconds={secs!r} must be a positive number or None (default 10.0)")
+        if flush_every_seconds is not None:
+            hint = " (or None; default 10.0)"
+            arguments.finite_at_least("flush_every_seconds", flush_every_seconds, 0.0, strict=True, hint=hint)
         self._run = _RunDir(root_dir, name, version)
         self.flush_every_n_steps = flush_every_n_steps
         self.flush_every_seconds = flush_every_seconds

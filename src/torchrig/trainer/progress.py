@@ -24,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
+from torchrig import arguments
 from torchrig.trainer.callbacks import EVERY_TIME, Callback, EventSchedule
 from torchrig.trainer.metrics import to_floats
 
@@ -61,9 +62,9 @@ class ProgressBar(Callback):
     """
 
     def __init__(self, *, refresh_interval: float = 0.5, console: Console | None = None) -> None:
-        if isinstance(refresh_interval, bool) or not isinstance(refresh_interval, (int, float)) or refresh_interval < 0:
-            raise ValueError(f"refresh_interval={refresh_interval!r} must be a number of seconds >= 0 (default 0.5)")
-        self.refresh_interval = float(refresh_interval)
+        self.refresh_interval = arguments.finite_at_least(
+            "refresh_interval", refresh_interval, 0.0, hint=" (seconds; default 0.5)"
+        )
         self._console = console
         self._progress: Progress | None = None
         self._owns_progress = False  # started by fit (else by a standalone validate/test/predict)
