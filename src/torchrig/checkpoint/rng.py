@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchrig.devices import device_module
+
 
 def capture_rng(device: torch.device) -> dict[str, Any]:
     """Python, NumPy, torch CPU and every device of ``device.type``, as weights_only-safe data."""
@@ -50,8 +52,5 @@ def _as_tuple(x: Any) -> Any:
 def _device_module(device: torch.device) -> Any:
     if device.type in ("cpu", "meta"):
         return None
-    try:
-        mod = torch.get_device_module(device.type)
-    except (RuntimeError, AttributeError):
-        return None
+    mod = device_module(device.type)
     return mod if hasattr(mod, "get_rng_state_all") and hasattr(mod, "set_rng_state_all") else None

@@ -18,6 +18,7 @@ from torchrig.checkpoint.reading import read_meta
 from torchrig.demo.data import DigitsDataModule
 from torchrig.demo.model import DigitsCNN
 from torchrig.demo.plot import plot_learning_curves
+from torchrig.devices import device_module
 from torchrig.trainer import Callback, ModelCheckpoint, Trainer, TrainingModule
 from torchrig.trainer.checkpointing import CHECKPOINTS, newest_run_with_last
 from torchrig.trainer.loggers import CSVLogger, next_version_dir
@@ -133,9 +134,12 @@ def device_description(device: torch.device) -> str:
     """``cuda:0 (NVIDIA H100 80GB HBM3)``, or just ``cpu`` where the device has no name."""
     if device.type == "cpu":
         return "cpu"
+    get_name = getattr(device_module(device.type), "get_device_name", None)
     try:
-        name = torch.get_device_module(device.type).get_device_name(device)
-    except Exception:  # not every backend names its devices
+        name = get_name(device) if get_name is not None else None
+    except Exception:  # a backend whose device_name fails for this device
+        name = None
+    if not name:
         return str(device)
     return f"{device} ({name})"
 

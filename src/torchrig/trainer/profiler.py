@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchrig import arguments
+from torchrig.devices import device_module
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -94,7 +95,7 @@ def _device_sync(device: torch.device) -> Callable[[], None] | None:
     """``torch.<device type>.synchronize`` for an accelerator (None on the CPU or without one)."""
     if device.type == "cpu":
         return None
-    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
+    sync = getattr(device_module(device.type), "synchronize", None)
     return sync if callable(sync) else None
 
 
