@@ -1,7 +1,7 @@
 """Time to the first step and steady step time of a 12-block transformer through ``Rig``:
 eager vs ``compile=True`` vs ``compile="regional"``, on the CPU, in one run.
 
-    python benchmarks/compile_time.py [--blocks 12 --dim 128 --steps 20] [--markdown]
+    python benchmarks/compile_time.py [--blocks 12 32] [--dim 128] [--steps 30] [--floor] [--markdown]
 
 Each contender runs in a fresh process with an empty inductor cache (a cold start, as a first
 run of a job), on one thread, compiling in that thread (``TORCHINDUCTOR_COMPILE_THREADS=1``).
@@ -10,7 +10,10 @@ seconds and in CPU seconds of the process and of the C++ compiler runs it waited
 time leaves out what other programs on a shared machine took). The steady step time is the
 median CPU time of ``--steps`` steps after 3 more.
 Targets (issue 18): regional's first step at most a third of whole-model compile's, and its
-steady step no slower than whole-model compile's.
+steady step no slower than whole-model compile's. ``--floor`` adds ``compile=True`` of a 1-block
+model (the same embedding and head): about the cost of any first compile (inductor's start and
+the C++ compiler runs for one block's kernels), which compiling one block's graph cannot go far
+below. ``--blocks 12 32`` measures several depths.
 """
 
 from __future__ import annotations
@@ -106,53 +109,63 @@ def one(name: str, blocks: int, dim: int, steps: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--one", choices=list(CONTENDERS), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.one:
-        print(json.dumps(one(args.one, args.blocks, args.dim, args.steps)))
-        return
-    results = {}
-    for name in CONTENDERS:
-        with tempfile.TemporaryDirectory() as cache:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-            cmd = [sys.executable, __file__, "--one", name, "--blocks", str(args.blocks), "--dim", str(args.dim)]
-            out = subprocess.run(
-                [*cmd, "--steps", str(args.steps)], env=env, capture_output=True, text=True, check=True
-            )
-            results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    import torch
+def run(name: str, blocks: int, dim: int, steps: int) -> dict[str, Any]:
+    """One contender in a fresh process with its own empty inductor cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        cmd = [sys.executable, __file__, "--one", name, "--blocks", str(blocks), "--dim", str(dim)]
+        out = subprocess.run([*cmd, "--steps", str(steps)], env=env, capture_output=True, text=True, check=True)
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
-    params = results["eager"]["params"]
-    print(
-        f"{args.blocks}-block transformer (dim {args.dim}, {params / 1e6:.1f}M parameters), CPU, 1 thread, "
-        f"torch {torch.__version__}, cold inductor cache"
-    )
-    sep = "|" if args.markdown else " "
+
+def print_table(results: dict[str, dict[str, Any]], markdown: bool) -> None:
     head = ["contender", "first step wall (s)", "first step CPU (s)", "steady step CPU (ms)", "first loss"]
     rows = [
         [name, f"{r['first_wall']:.1f}", f"{r['first_cpu']:.1f}", f"{r['step'] * 1e3:.1f}", f"{r['loss']:.5f}"]
         for name, r in results.items()
     ]
-    if args.markdown:
+    if markdown:
         print(f"| {' | '.join(head)} |\n|{'---|' * len(head)}")
         for row in rows:
             print(f"| {' | '.join(row)} |")
     else:
         widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
         for row in [head, *rows]:
-            print(sep.join(x.ljust(w) for x, w in zip(row, widths, strict=True)))
-    whole, regional = results["compile=True"], results['compile="regional"']
-    print(
-        f"regional / whole: first step {regional['first_wall'] / whole['first_wall']:.2f}x wall, "
-        f"{regional['first_cpu'] / whole['first_cpu']:.2f}x CPU (target <= 0.33x); "
-        f"steady step {regional['step'] / whole['step']:.2f}x (target <= 1.00x)"
+            print(" ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[12], help="depths to measure (default 12)")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--floor", action="store_true", help="also compile=True of a 1-block model: the fixed cost of a first compile"
     )
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--one", choices=list(CONTENDERS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.blocks[0], args.dim, args.steps)))
+        return
+    import torch
+
+    for blocks in args.blocks:
+        results = {name: run(name, blocks, args.dim, args.steps) for name in CONTENDERS}
+        if args.floor:
+            results["compile=True, 1 block"] = run("compile=True", 1, args.dim, args.steps)
+        params = results["eager"]["params"]
+        print(
+            f"\n{blocks}-block transformer (dim {args.dim}, {params / 1e6:.1f}M parameters), CPU, 1 thread, "
+            f"torch {torch.__version__}, cold inductor cache"
+        )
+        print_table(results, args.markdown)
+        whole, regional = results["compile=True"], results['compile="regional"']
+        print(
+            f"regional / whole: first step {regional['first_wall'] / whole['first_wall']:.2f}x wall, "
+            f"{regional['first_cpu'] / whole['first_cpu']:.2f}x CPU (target <= 0.33x); "
+            f"steady step {regional['step'] / whole['step']:.2f}x (target <= 1.00x)"
+        )
 
 
 if __name__ == "__main__":
