@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from torchrig import arguments, checkpoint, gather, speedups
 from torchrig.accelerators import Accelerator
+from torchrig.checkpoint.background import BackgroundSaves
 from torchrig.data import RigDataLoader, rebuild_with_sampler
 from torchrig.fp8 import FP8Mixed
 from torchrig.nested import apply_to_tensors, move_to_device
@@ -107,9 +108,8 @@ class Rig:
         self.current_loader: RigDataLoader | None = None
         self._launched = False
         self._signal_watch: SignalWatch | None = None
-        self._pending_save: SaveHandle | None = None  # rig.save(..., blocking=False) under way
-        self._save_group: Any = None  # the process group of background sharded saves
-        self._host_buffers: Any = None  # host memory of background saves' snapshots (kept between saves)
+        #: ``rig.save(..., blocking=False)``: the save under way, its host memory and process group.
+        self.background_saves = BackgroundSaves()
         if not self.strategy.needs_launch:
             self.strategy.setup_environment()
             self._launched = True

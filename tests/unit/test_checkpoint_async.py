@@ -223,7 +223,7 @@ def test_blocking_must_be_a_bool(rig: torchrig.Rig, tmp_path: Path) -> None:
 def test_a_bad_value_is_refused_in_the_call(rig: torchrig.Rig, tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"state\['fn'\] cannot be saved in a checkpoint"):
         rig.save(tmp_path / "ck", {"fn": lambda: 1}, blocking=False)
-    assert not (tmp_path / "ck").exists() and rig._pending_save is None
+    assert not (tmp_path / "ck").exists() and rig.background_saves.pending is None
 
 
 # -- ModelCheckpoint(async_save=True) ------------------------------------------------------------
@@ -248,7 +248,7 @@ def test_model_checkpoint_removes_old_checkpoints_only_after_the_new_one_is_comm
     # Each checkpoint is committed while its predecessor is still there (the only one kept).
     assert seen == [(names[0], []), (names[1], [names[0], "last"]), (names[2], [names[1], "last"])]
     # The fit ended with the last save committed and its retention done.
-    assert trainer.rig._pending_save is None
+    assert trainer.rig.background_saves.pending is None
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [names[2], "last"]
     assert trainer.rig.load(tmp_path / "ck" / "last")["step"] == 6
 
@@ -263,7 +263,7 @@ def test_model_checkpoint_the_fit_fails_on_a_background_error_at_its_end(
     trainer = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[cb])
     with pytest.raises(torchrig.checkpoint.CheckpointError, match=r"no space left on device at .*epoch=0-step=2"):
         trainer.fit(Regressor(), loader(8))
-    assert trainer.rig._pending_save is None
+    assert trainer.rig.background_saves.pending is None
 
 
 def test_an_error_of_the_fit_carries_the_background_error_as_a_note(
@@ -287,19 +287,19 @@ def test_an_error_of_the_fit_carries_the_background_error_as_a_note(
         assert len(notes) == 1 and notes[0].startswith(
             "torchrig: the background checkpoint save failed as well: CheckpointError: no space left on device at "
         )
-    assert trainer.rig._pending_save is None
+    assert trainer.rig.background_saves.pending is None
 
 
 def test_the_host_copy_is_reused_by_the_next_background_save(rig: torchrig.Rig, tmp_path: Path) -> None:
     model, opt = _trained()
     first = {k: v.clone() for k, v in model.state_dict().items()}
     rig.save(tmp_path / "a", {"model": model, "optimizer": opt}, blocking=False)
-    buffers = {s.data_ptr() for group in rig._host_buffers._free.values() for s in group}
+    buffers = {s.data_ptr() for group in rig.background_saves.host_buffers._free.values() for s in group}
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     second = {k: v.clone() for k, v in model.state_dict().items()}
     rig.save(tmp_path / "b", {"model": model, "optimizer": opt}, blocking=False).wait()
-    assert {s.data_ptr() for group in rig._host_buffers._free.values() for s in group} == buffers
+    assert {s.data_ptr() for group in rig.background_saves.host_buffers._free.values() for s in group} == buffers
     # The second snapshot wrote into the first one's memory only after the first save was committed.
     for name, want in (("a", first), ("b", second)):
         got = rig.load(tmp_path / name)["model"]
@@ -340,7 +340,7 @@ def test_a_stop_signal_waits_for_the_background_save_before_its_own(
     # The background save of step 2 is committed first; the stop at step 3 then saves step 3 (at
     # step 2 that checkpoint already is last). Nothing is left running when the fit has raised.
     want = ["epoch=0-step=2"] if stop_at == 2 else ["epoch=0-step=2", "epoch=0-step=3"]
-    assert committed == want and trainer.rig._pending_save is None
+    assert committed == want and trainer.rig.background_saves.pending is None
     assert info.value.saved == str(folder / want[-1]) and (folder / "last").resolve().name == want[-1]
     assert trainer.rig.load(folder / "last")["step"] == stop_at
 

@@ -20,6 +20,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -143,11 +144,23 @@ class SaveHandle:
             raise
 
 
+@dataclass
+class BackgroundSaves:
+    """What a :class:`~torchrig.Rig` keeps for its background saves (``rig.background_saves``),
+    owned by this package: the save under way, the host memory snapshots are copied into (kept
+    from one save to the next) and the process group of background sharded saves (made at the
+    first one)."""
+
+    pending: SaveHandle | None = None
+    host_buffers: Any = None
+    group: Any = None
+
+
 def settle_pending(rig: Any) -> None:
     """Wait for the save ``rig`` runs in the background, if any; raise its error if nobody has yet."""
-    pending: SaveHandle | None = getattr(rig, "_pending_save", None)
+    saves: BackgroundSaves = rig.background_saves
+    pending, saves.pending = saves.pending, None
     if pending is not None:
-        rig._pending_save = None
         pending.settle()
 
 

@@ -176,7 +176,7 @@ def save(
     handle.start(job, background=not blocking, publish=publish)
     if blocking:
         return handle.wait()
-    rig._pending_save = handle
+    rig.background_saves.pending = handle
     return handle
 
 

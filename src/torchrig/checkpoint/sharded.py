@@ -154,10 +154,10 @@ def start(
 def _save_group(rig: Any) -> Any:
     """The process group (gloo, every rank) of background sharded saves, made at the first one
     (every rank calls ``rig.save``, so every rank makes it at the same point)."""
-    group = getattr(rig, "_save_group", None)
-    if group is None:
-        group = rig._save_group = dist.new_group(backend="gloo")
-    return group
+    saves = rig.background_saves
+    if saves.group is None:
+        saves.group = dist.new_group(backend="gloo")
+    return saves.group
 
 
 def _local_bytes(shards: dict[str, Any]) -> int:

@@ -165,7 +165,8 @@ def _host_copy(
 
 def host_buffers(rig: Any) -> HostBuffers:
     """The host memory ``rig``'s background saves snapshot into, kept from one save to the next."""
-    buffers: HostBuffers | None = getattr(rig, "_host_buffers", None)
-    if buffers is None:
-        buffers = rig._host_buffers = HostBuffers()
+    saves = rig.background_saves
+    if saves.host_buffers is None:
+        saves.host_buffers = HostBuffers()
+    buffers: HostBuffers = saves.host_buffers
     return buffers
