@@ -95,7 +95,8 @@ def test_live_bar_in_a_terminal_shows_progress_speed_and_metrics() -> None:
 
 
 def test_steps_between_refreshes_convert_nothing() -> None:
-    bar = ProgressBar(refresh_interval=3600, console=Console(file=io.StringIO(), force_terminal=True))
+    out = io.StringIO()
+    bar = ProgressBar(refresh_interval=3600, console=Console(file=out, force_terminal=True, width=200))
     trainer = fake_trainer(num_training_batches=200)
     calls = {"n": 0}
     real = torch.Tensor.tolist
@@ -112,9 +113,12 @@ def test_steps_between_refreshes_convert_nothing() -> None:
         # 200 steps: the first one draws (nothing was drawn yet), then none is due: one transfer
         assert calls["n"] == 1 and item.call_count == 0
         bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
-        assert calls["n"] == 2 and item.call_count == 0  # the epoch's line: one transfer for loss and metrics
+        # The epoch's finished line is kept with its loss still a tensor until the next redraw.
+        assert calls["n"] == 1 and item.call_count == 0
+        assert "200 steps in" not in out.getvalue()
         bar.on_fit_end(trainer, None)  # type: ignore[arg-type]
-        assert calls["n"] == 3  # the final redraw
+        assert calls["n"] == 3  # the final redraw, and the kept line (one transfer each)
+    assert re.search(r"Epoch 1/2: 200 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=199", out.getvalue()), out.getvalue()
 
 
 def test_the_position_comes_from_batch_idx_so_sparse_calls_and_resumes_show_it() -> None:

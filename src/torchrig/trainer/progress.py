@@ -10,8 +10,10 @@ short epochs are printed together, at most every ``refresh_interval``). Elsewher
 The bar costs nothing measurable: the Trainer calls its training batch end at most every
 ``refresh_interval`` seconds and for the last batch of an epoch (a clock read per step, no call;
 see :mod:`torchrig.trainer.callbacks`); the screen is redrawn at most that often, and only then
-are the metrics (device tensors) converted to numbers, with one host-device sync per device; and
-once per epoch, for its finished line.
+are the metrics (device tensors) converted to numbers, with one host-device sync per device. An
+epoch's end only keeps its finished line's text and metric tensors: they are converted and
+printed with the next redraw, all the epochs since the last one together (short epochs cost no
+sync and no bar update each).
 """
 
 from __future__ import annotations
@@ -75,7 +77,10 @@ class ProgressBar(Callback):
         self._loss: Any = None
         self._metrics_text = ""  # the training bar's metrics as last drawn
         self._logged_before: dict[str, Any] = {}
-        self._finished: list[str] = []  # epochs' finished lines not yet printed above the live bar
+        # Epochs' finished lines not yet printed above the live bar: each line's text and its
+        # metrics, still tensors (converted when printed).
+        self._finished: list[tuple[str, dict[str, Any]]] = []
+        self._shown_epoch = -1  # the epoch the training bar's description names
 
     @property
     def console(self) -> Console:
@@ -112,16 +117,16 @@ class ProgressBar(Callback):
             desc = f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}"
             fields = self._train.fields(self._metrics_text)
             self._progress.update(self._train_task, description=desc, visible=True, **fields)
+            self._shown_epoch = trainer.current_epoch
             if refresh:
                 self._progress.refresh()
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._loss = None
         self._train.start(_total(getattr(trainer, "num_training_batches", None)))
-        # Not drawn now: a frame of "0/N" would take the rate limit's turn from the epoch's
-        # batches (short epochs then only ever showed 0/N). The next due batch or the epoch's
-        # finished line draws it.
-        self._show_train(trainer, refresh=False)
+        # Neither drawn nor updated now: a frame of "0/N" would take the rate limit's turn from
+        # the epoch's batches (short epochs then only ever showed 0/N). The next redraw shows the
+        # new epoch (_update_train).
 
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
@@ -137,25 +142,36 @@ class ProgressBar(Callback):
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if not _rank_zero(trainer):
             return
-        metrics = self._train_metrics(trainer)  # one transfer an epoch, for its finished line
+        metrics = self._train_values(trainer)  # tensors: converted when the line is printed
         line = (
             f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}: "
             f"{self._train.done()} steps in {self._train.elapsed():.2f}s ({self._train.rate():.1f} it/s)"
         )
         if self._progress is None:
-            self.console.print(_join(line, metrics), highlight=False, soft_wrap=True)
+            self.console.print(_join(line, to_floats(metrics)), highlight=False, soft_wrap=True)
             return
-        # The bar at the epoch's end, and the line printed above it. Printing redraws the live bar
-        # (about a millisecond), so lines are printed together at most every refresh_interval.
-        self._update_train(trainer, metrics)
-        self._finished.append(_join(line, metrics))
+        # The line printed above the bar, and the bar at the epoch's end. Printing redraws the
+        # live bar (about a millisecond), so lines are printed together at most every
+        # refresh_interval, with the bar as it is then.
+        self._finished.append((line, metrics))
         if self._due():
-            self._print_finished()
+            self._print_finished(trainer)
 
-    def _print_finished(self) -> None:
-        if self._finished:
-            self.console.print("\n".join(self._finished), highlight=False, soft_wrap=True)
-            self._finished.clear()
+    def _print_finished(self, trainer: Trainer | None = None) -> None:
+        """Print the epochs' finished lines kept since the last redraw (their metrics converted
+        together: one transfer per device), after bringing the bar up to date with the last."""
+        if not self._finished:
+            return
+        merged = {f"{i}\0{name}": v for i, (_, values) in enumerate(self._finished) for name, v in values.items()}
+        floats = to_floats(merged)
+        lines = []
+        for i, (line, values) in enumerate(self._finished):
+            metrics = {name: floats[key] for name in values if (key := f"{i}\0{name}") in floats}
+            lines.append(_join(line, metrics))
+        if trainer is not None:
+            self._update_train(trainer, metrics)
+        self.console.print("\n".join(lines), highlight=False, soft_wrap=True)
+        self._finished.clear()
 
     def on_fit_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if self._progress is not None:
@@ -247,11 +263,16 @@ class ProgressBar(Callback):
 
     def _update_train(self, trainer: Trainer, metrics: dict[str, float] | None = None) -> None:
         if self._progress is not None:
-            metrics = self._train_metrics(trainer) if metrics is None else metrics
+            metrics = to_floats(self._train_values(trainer)) if metrics is None else metrics
             self._metrics_text = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-            self._progress.update(self._train_task, **self._train.fields(self._metrics_text))
+            if self._shown_epoch != trainer.current_epoch:  # a new epoch since the last redraw
+                self._show_train(trainer, refresh=False)
+            else:
+                self._progress.update(self._train_task, **self._train.fields(self._metrics_text))
 
-    def _train_metrics(self, trainer: Trainer) -> dict[str, float]:
+    def _train_values(self, trainer: Trainer) -> dict[str, Any]:
+        """The training bar's metrics as they are now (the last step's loss and the ``prog_bar``
+        values), still tensors."""
         values: dict[str, Any] = {}
         loss = self._loss.get("loss") if isinstance(self._loss, dict) else self._loss
         if isinstance(loss, torch.Tensor) and isinstance(self._loss, dict) and "num_items" in self._loss:
@@ -259,7 +280,7 @@ class ProgressBar(Callback):
         if isinstance(loss, (torch.Tensor, float, int)):
             values["loss"] = loss
         values.update(getattr(trainer, "progress_bar_metrics", None) or {})
-        return to_floats(values)
+        return values
 
 
 class _Counter:
