@@ -14,6 +14,7 @@ import torch
 from dist_helpers import SCRIPTS, explain, load_script, result, run
 
 import torchrig
+from torchrig.trainer.metrics import to_floats
 
 tw = load_script("token_weighted")
 ALL = list(range(len(tw.LENGTHS)))
@@ -91,9 +92,9 @@ def test_16_mixed_unscales_and_clips_the_scaled_gradients() -> None:
 def test_the_progress_bar_shows_the_mean_per_item() -> None:
     bar = torchrig.ProgressBar()
     bar._loss = {"loss": torch.tensor(12.0), "num_items": torch.tensor(8)}
-    assert bar._train_metrics(object())["loss"] == 1.5  # type: ignore[arg-type]
+    assert to_floats(bar._train_values(object()))["loss"] == 1.5  # type: ignore[arg-type]
     bar._loss = {"loss": torch.tensor(12.0), "num_items": 3}
-    assert bar._train_metrics(object())["loss"] == 4.0  # type: ignore[arg-type]
+    assert to_floats(bar._train_values(object()))["loss"] == 4.0  # type: ignore[arg-type]
 
 
 class Returns(torchrig.TrainingModule):
