@@ -189,7 +189,9 @@ def test_a_sigkilled_worker_restarted_by_torchrig_run_resumes_the_fit_by_itself_
     extra = ["--kill-at", "13", "--save-every", "5"]
     proc = run([*args, str(tmp_path / "k"), str(tmp_path / "k.pt"), *extra], timeout=120)
     assert proc.returncode == 0, explain(proc)
-    assert "exitcode: -9" in proc.stderr, explain(proc)
+    # (torchrun's log names whichever failure it saw first: rank 1's SIGKILL, or rank 0 failing on
+    # the lost connection a moment before it looked, so the script says when it kills itself.)
+    assert "rank 1 SIGKILLs itself at step 13" in proc.stdout, explain(proc)
     assert "torchrig: restart 1 of this job: resuming from" in proc.stdout, explain(proc)
     assert "continues in epoch 2 after 4 batches, step 10" in proc.stdout, explain(proc)
     assert "rank 0 done at step 18" in proc.stdout, explain(proc)

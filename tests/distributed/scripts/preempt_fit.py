@@ -43,6 +43,7 @@ class Signal(torchrig.Callback):
         time.sleep(a.step_sleep)
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if a.kill_at and trainer.global_step == a.kill_at and rank == 1 and not restarted:
+            print(f"rank 1 SIGKILLs itself at step {a.kill_at}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # a dead worker: nothing can be saved
         if trainer.global_step != a.signal_at:
             return
