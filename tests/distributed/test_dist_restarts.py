@@ -29,7 +29,8 @@ def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path: Path) -> No
     assert proc.returncode == 0, explain(proc)
     # rank 1 died at step 13; the restart resumed from the checkpoint of step 10
     assert "attempt 0 starts at step 0" in proc.stdout and "attempt 1 starts at step 10" in proc.stdout, explain(proc)
-    assert "exitcode: -9" in proc.stderr, explain(proc)
+    # (torchrun's log names whichever failure it saw first: rank 1's SIGKILL or rank 0's lost connection)
+    assert "rank 1 SIGKILLs itself at step 13" in proc.stdout, explain(proc)
     ref_proc, ref_out = _run(tmp_path, "reference", restarts=0)
     assert ref_proc.returncode == 0, explain(ref_proc)
     weights, ref = torch.load(out), torch.load(ref_out)

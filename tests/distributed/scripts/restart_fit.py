@@ -56,6 +56,7 @@ def main() -> None:
             optimizer.zero_grad()
             step += 1
             if rig.global_rank == 1 and step == args.kill_at and attempt == 0:
+                print(f"rank 1 SIGKILLs itself at step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             if rig.global_rank == 1 and step == args.fail_at:
                 raise RuntimeError(f"boom on purpose at step {step}")
