@@ -6,7 +6,9 @@ Each torchrig collective (``rig.all_reduce``, ``all_gather``, ``broadcast``, ``b
 reads, no communication. When one of them fails with the backend's timeout, this rank writes
 what it was doing to the process group's store (a TCPStore, which still answers while a
 collective hangs), waits up to the group's timeout for the other ranks to do the same, and
-raises :class:`CollectiveTimeoutError` naming, for every rank, the collective it was in.
+raises :class:`CollectiveTimeoutError` naming, for every rank, the collective it was in. A rank
+whose collective fails because a peer's timed out first (gloo then closes the connection) gives
+the same report when that peer is writing one.
 DDP's own gradient all-reduce is not a torchrig collective and is not recorded.
 """
 
@@ -24,6 +26,9 @@ from datetime import timedelta
 KEEP = 8
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT = re.compile(r"timed? ?out", re.IGNORECASE)
+# A peer whose own collective timed out first drops its connections: this rank then fails with
+# this instead of its own timeout, while that peer is writing its report.
+_CLOSED = re.compile(r"connection (closed|reset) by peer", re.IGNORECASE)
 #: (number of this call, collective, where it was called from), newest last.
 recent: deque[tuple[int, str, str]] = deque(maxlen=KEEP)
 _count = [0]
@@ -58,9 +63,31 @@ def collective(name: str, rank: int, world_size: int, timeout: timedelta) -> Ite
     try:
         yield
     except RuntimeError as err:
-        if isinstance(err, CollectiveTimeoutError) or not _TIMEOUT.search(str(err)):
+        if isinstance(err, CollectiveTimeoutError):
+            raise
+        timed_out = _TIMEOUT.search(str(err)) is not None
+        if not timed_out and not (_CLOSED.search(str(err)) and _peer_is_reporting(rank, world_size)):
             raise
         raise CollectiveTimeoutError(explain(entry, rank, world_size, timeout, err)) from err
+
+
+def _peer_is_reporting(rank: int, world_size: int, wait: float = 3.0) -> bool:
+    """Whether another rank writes a hang report for the next incident within ``wait`` seconds
+    (its collective timed out and closed the connection this one failed on). A peer that crashed
+    writes none: the error is then raised as it is, ``wait`` seconds later at most."""
+    try:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(f"torchrig/hang/{_incidents[0] + 1}", dist.distributed_c10d._get_default_store())
+        deadline = time.monotonic() + wait
+        while True:
+            if any(store.check([str(r)]) for r in range(world_size) if r != rank):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+    except Exception:  # no process group or store (the peer that hosted it is gone)
+        return False
 
 
 def explain(entry: tuple[int, str, str], rank: int, world_size: int, timeout: timedelta, err: Exception) -> str:
@@ -83,7 +110,9 @@ def explain(entry: tuple[int, str, str], rank: int, world_size: int, timeout: ti
     except Exception as store_err:  # the report is a courtesy; the timeout is the error
         states[-1] = f"the other ranks could not be asked ({type(store_err).__name__}: {store_err})"
     lines = [
-        f"rank {r} is in {states[r]}" if r in states else f"rank {r} did not report: it is not in a torchrig "
+        f"rank {r} is in {states[r]}"
+        if r in states
+        else f"rank {r} did not report: it is not in a torchrig "
         "collective (busy, in DDP's gradient all-reduce, or no longer running)"
         for r in range(world_size)
     ]
