@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
@@ -287,3 +288,37 @@ def test_empty_init_on_one_device_initialises_modules_with_private_reset() -> No
     prepared = rig.prepare(attention)
     weight = prepared.module.in_proj_weight
     assert not weight.is_meta and torch.isfinite(weight).all() and weight.abs().sum() > 0
+
+
+def _no_script_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make this process look like a notebook or ``python -c``: no script file to run again."""
+    import __main__
+
+    monkeypatch.setattr(sys, "argv", [""])
+    monkeypatch.delattr(__main__, "__file__", raising=False)
+    monkeypatch.setattr(__main__, "__spec__", None, raising=False)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_process_of_a_parallel_strategy_runs_without_a_script_file(
+    monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """One process starts no other: a notebook (or a pytest-xdist worker) may use ddp/fsdp on one device."""
+    _no_script_file(monkeypatch)
+    rig = torchrig.Rig(accelerator="cpu", devices=1, strategy=strategy)
+    assert (rig.strategy.name, rig.world_size) == (strategy, 1)
+    model = rig.prepare(nn.Linear(4, 1))
+    rig.backward(model(torch.randn(2, 4)).sum())
+
+
+@pytest.mark.timeout(60)
+def test_more_processes_without_a_script_file_say_what_to_do_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_script_file(monkeypatch)
+    with pytest.raises(
+        ValueError, match=r"^strategy='ddp' starts the other processes by running this script again"
+    ) as e:
+        torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp")
+    assert "'ddp_notebook' (fork) or 'ddp_spawn' with rig.launch(fn)" in str(e.value)
+    assert "`torchrig run --devices N script.py`" in str(e.value)

@@ -3,6 +3,7 @@ logging window, through the loggers; the peak table; bad arguments."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 from pathlib import Path
@@ -285,3 +286,49 @@ def test_validation_inside_a_window_is_left_out_of_its_time(tmp_path: Path, monk
     assert sorted(rows) == [2, 4, 6]
     assert {s: r["throughput/samples_per_sec"] for s, r in rows.items()} == {2: BATCH, 4: BATCH, 6: BATCH}
     assert clock["now"] == 6 + 2 * 100  # both validations ran
+
+
+class SideWork(torchrig.Callback):
+    """After each training batch, 50 seconds of other work: 25 inside ``monitor.paused()``, and 25
+    more inside it too (``pause``) or not."""
+
+    def __init__(self, clock: dict[str, float], monitor: ThroughputMonitor, pause: bool) -> None:
+        self.clock, self.monitor, self.pause = clock, monitor, pause
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with self.monitor.paused() if self.pause else contextlib.nullcontext():
+            with self.monitor.paused():  # nested in the outer pause (when there is one): it holds
+                self.clock["now"] += 25.0
+            self.clock["now"] += 25.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pause", [True, False])
+def test_time_inside_paused_is_left_out_of_the_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pause: bool
+) -> None:
+    clock = {"now": 0.0}
+    monkeypatch.setattr(throughput, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    logger = ListLogger()
+    monitor = ThroughputMonitor(flops_per_batch=1e6, peak_flops=1e12)
+    with monitor.paused():  # outside a fit: nothing to leave out, and no error
+        pass
+    trainer = torchrig.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=logger,
+        callbacks=[SideWork(clock, monitor, pause), monitor],
+        log_every_n_steps=2,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Clocked(clock), _loader(4))
+    rows = logger.rows_with("throughput/samples_per_sec")
+    # The first batch starts the clock; then windows of 1 and 2 batches: 1 s of training a batch,
+    # plus the 25 s of side work a batch that was not paused.
+    side = 0.0 if pause else 25.0
+    expected = {2: BATCH / (1 + side), 4: 2 * BATCH / (2 + 2 * side)}
+    assert {s: r["throughput/samples_per_sec"] for s, r in rows.items()} == expected
+    assert clock["now"] == 4 + 4 * 50

@@ -130,7 +130,13 @@ class TorchDeviceAccelerator(Accelerator):
         return stats
 
     def _query(self, fn: str, device: torch.device) -> Any:
-        for source in (torch.accelerator, device_module(self.device_type)):
+        # torch.accelerator answers for the current accelerator only (asked about another device
+        # type, it may answer for the current one's device of the same index).
+        current = torch.accelerator.current_accelerator()
+        sources = [device_module(self.device_type)]
+        if current is not None and current.type == device.type:
+            sources.insert(0, torch.accelerator)
+        for source in sources:
             f = getattr(source, fn, None)
             if callable(f):
                 try:

@@ -143,7 +143,8 @@ class SubprocessLauncher:
 
     def start(self) -> ClusterEnvironment:
         """Start the other local ranks; returns this process's place in the run."""
-        cmd = script_command()
+        # Only other local ranks need this script run again (one process per machine starts none).
+        cmd = script_command() if self.num_processes > 1 else []
         addr, port, node_rank = self._rendezvous()
         n, world = self.num_processes, self.num_processes * self.num_nodes
 

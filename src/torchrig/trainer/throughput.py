@@ -43,11 +43,12 @@ Logged names: ``throughput/samples_per_sec``, ``throughput/samples_per_sec_per_d
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -227,14 +228,37 @@ class ThroughputMonitor(Callback):
             self._last_step = step
             self._log(trainer)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leaves the time spent inside out of the current window, as evaluation is left out.
+
+        For work a callback does between training steps that is not training (sampling text,
+        another model's steps): ``with monitor.paused(): ...``. Nested or outside a fit, it does
+        nothing more.
+        """
+        mine = self._pause()
+        try:
+            yield
+        finally:
+            if mine:
+                self._resume()
+
+    def _pause(self) -> bool:
+        if not self._started or self._paused_at is not None:
+            return False
+        self._paused_at = time.perf_counter()
+        return True
+
+    def _resume(self) -> None:
+        if self._paused_at is not None:
+            self._t0 += time.perf_counter() - self._paused_at  # the window leaves the pause out
+            self._paused_at = None
+
     def on_eval_start(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
-        if self._started and self._paused_at is None:
-            self._paused_at = time.perf_counter()
+        self._pause()
 
     def on_eval_end(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
-        if self._paused_at is not None:
-            self._t0 += time.perf_counter() - self._paused_at  # the window leaves out the evaluation
-            self._paused_at = None
+        self._resume()
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         self._stop_counting()  # an epoch without batches
