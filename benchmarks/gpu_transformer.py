@@ -203,11 +203,15 @@ def hand_written(s: Setup) -> Callable[[int], float]:
     if s.compile:
         model.compile()
     if s.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if mixed else None, reduce_dtype=torch.float32)
+        # The run's device type: fully_shard's default mesh is the GPU's whenever one is present.
+        mesh = init_device_mesh(s.device.type, (s.world,))
         model.to(s.device)
         for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
     else:
         model.to(s.device)
     optimizer = make_optimizer(model.parameters())

@@ -131,7 +131,12 @@ def test_run_false_builds_the_objects_without_running(tmp_path: Path) -> None:
         Regressor,
         Line,
         run=False,
-        args=["--model.hidden=3", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
+        args=[
+            "--model.hidden=3",
+            "--trainer.logger=false",
+            "--trainer.accelerator=cpu",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
     )
     assert cli.subcommand is None and cli.result is None
     assert isinstance(cli.model, Regressor) and cli.model.net[0].out_features == 3

@@ -285,6 +285,7 @@ def test_fsdp_init_root_makes_the_root_before_a_submodule_runs_first() -> None:
     """fsdp._init_root reaches FSDP2's private lazy init (no public call does it): a manual step may
     call a sharded submodule before the root. Fails if torch renames or changes it."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from torchrig.strategies.fsdp import _init_root
@@ -295,8 +296,9 @@ def test_fsdp_init_root_makes_the_root_before_a_submodule_runs_first() -> None:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
         reference = copy.deepcopy(model)
-        fully_shard(model[0])
-        return fully_shard(model), reference
+        mesh = init_device_mesh("cpu", (1,))  # fully_shard's default is the GPU's where there is one
+        fully_shard(model[0], mesh=mesh)
+        return fully_shard(model, mesh=mesh), reference
 
     x = torch.randn(2, 4)
     plain, _ = sharded()

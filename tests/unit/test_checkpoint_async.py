@@ -421,3 +421,44 @@ def test_optimizer_state_changed_before_its_background_copy_is_refused(
         "copy). Nothing was written"
     )
     assert rig.load(tmp_path / "last")["step"] == 1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reusable", [True, False])
+def test_background_sharded_saves_on_a_torch_whose_staging_closes_the_stager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reusable: bool
+) -> None:
+    """torch before 2.13 (seen on 2.11) closes DCP's stager as it stages, so a stager kept for the
+    next save fails there (KeyError: <class 'type'>): before 2.13 each save gets its own."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from torchrig.checkpoint import sharded
+
+    staged: list[DefaultStager] = []
+    closed: list[DefaultStager] = []
+    real_stage, real_close = DefaultStager.stage, DefaultStager.close
+
+    def stage_like_torch_2_11(self: DefaultStager, state_dict: Any, **kwargs: Any) -> Any:
+        if self in staged:
+            raise KeyError(type)  # what the copier that staging cleared raises on torch 2.11
+        staged.append(self)
+        return real_stage(self, state_dict, **kwargs)
+
+    def close(self: DefaultStager) -> None:
+        closed.append(self)
+        real_close(self)
+
+    monkeypatch.setattr(DefaultStager, "stage", stage_like_torch_2_11)
+    monkeypatch.setattr(DefaultStager, "close", close)
+    monkeypatch.setattr(sharded, "STAGER_REUSABLE", reusable)
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    model = rig.prepare(nn.Linear(8, 8))
+    rig.save(tmp_path / "step-1", {"model": model, "step": 1}, blocking=False).wait()
+    if reusable:  # the kept stager fails the next save, as on torch 2.11
+        with pytest.raises(KeyError):
+            rig.save(tmp_path / "step-2", {"model": model, "step": 2}, blocking=False).wait()
+        return
+    rig.save(tmp_path / "step-2", {"model": model, "step": 2}, blocking=False).wait()
+    assert rig.load(tmp_path / "last", {"model": model})["step"] == 2
+    assert len(staged) == 2 and closed == staged  # a stager each, closed after its save

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from torchrig.checkpoint.compare import compare_module, load_problems
 from torchrig.checkpoint.dcp_safe import (
@@ -118,17 +119,22 @@ def start(
         written: Callable[[], Any] = functools.partial(dcp.save, shards, checkpoint_id=tmp)
     else:
         buffers = host_buffers(rig)
-        if buffers.dcp_stager is None:  # a copy in (pinned) host memory, reused by the next save
+        stager = buffers.dcp_stager
+        if stager is None:  # a copy in (pinned) host memory
             cuda = rig.device.type == "cuda"
-            buffers.dcp_stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+            stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+            if STAGER_REUSABLE:
+                buffers.dcp_stager = stager  # the next save reuses its host copies
         future = dcp.async_save(
             shards,
             checkpoint_id=tmp,
             process_group=_save_group(rig),
             async_checkpointer_type=AsyncCheckpointerType.THREAD,  # its process mode hung on CPU
-            async_stager=buffers.dcp_stager,
+            async_stager=stager,
         )
         written = future.result  # type: ignore[union-attr]  # a Future: no async_stager returns a response
+        if buffers.dcp_stager is not stager:  # used once: closed when its save is written
+            written = _then_close(written, stager)
         if rig.is_global_zero:
             snapshot = to_host(payload["blob"], host_buffers(rig))  # no optimizer: DCP's
             payload, ready = {**payload, "blob": snapshot.tree}, snapshot.ready
@@ -149,6 +155,22 @@ def start(
             raise
 
     return job
+
+
+#: Whether one DCP ``DefaultStager`` serves every background sharded save. Before torch 2.13 (seen
+#: on 2.11) staging closes the stager's copier, and a second ``stage`` on it fails (``KeyError:
+#: <class 'type'>``), so each save there gets a stager of its own.
+STAGER_REUSABLE = TorchVersion(torch.__version__) >= (2, 13)
+
+
+def _then_close(written: Callable[[], Any], stager: Any) -> Callable[[], Any]:
+    def wait_and_close() -> Any:
+        try:
+            return written()
+        finally:
+            stager.close()
+
+    return wait_and_close
 
 
 def _save_group(rig: Any) -> Any:
