@@ -63,7 +63,10 @@ def test_ctrl_c_saves_last_at_the_next_step_exits_non_zero_and_resumes_exactly(t
     assert clean.returncode == 0, clean.stderr
     assert "done at step 9" in clean.stdout  # 3 epochs of 6 batches, a step every 2
     stopped = _run(tmp_path, "stopped", interrupt=True)
-    assert stopped.returncode in (130, -signal.SIGINT), stopped.stderr
+    # Python exits an uncaught KeyboardInterrupt by SIGINT (-2; 130 from a shell), but with 1 once
+    # torch._dynamo is imported on torch 2.11 (seen with `python -c "import torch._dynamo; raise
+    # KeyboardInterrupt"` on the GPU machine): what counts is non-zero and the KeyboardInterrupt.
+    assert stopped.returncode in (130, -signal.SIGINT, 1), stopped.stderr
     assert "KeyboardInterrupt" in stopped.stderr and "done at step" not in stopped.stdout
     said = "torchrig: SIGINT: stopping at the next optimizer step to save it; Ctrl-C again stops at once"
     assert said in stopped.stderr
