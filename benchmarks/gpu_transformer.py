@@ -26,7 +26,7 @@ device's bf16 dense peak (``PEAK_TFLOPS``; none on other devices). The Trainer a
 windows leave the other contenders' rounds out: ``monitor.paused()``).
 
 Targets (issue 18, on a GPU): Rig and Trainer >= 0.99x the hand-written tokens/s; MFU >= 40% on
-one H100 SXM. Not measured here yet (this machine has no GPU).
+one H100 SXM. Measured once on one H200 (README.md has the table).
 
 ``--smoke`` changes, to run on the CPU in under a minute (a check that all of it runs, not a
 measurement): a 2-block, width-64 model (vocabulary 256, sequence 64, micro-batch 2), fp32
