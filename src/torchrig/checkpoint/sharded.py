@@ -160,7 +160,7 @@ def start(
 #: Whether one DCP ``DefaultStager`` serves every background sharded save. Before torch 2.13 (seen
 #: on 2.11) staging closes the stager's copier, and a second ``stage`` on it fails (``KeyError:
 #: <class 'type'>``), so each save there gets a stager of its own.
-STAGER_REUSABLE = TorchVersion(torch.__version__) >= (2, 13)
+STAGER_REUSABLE = TorchVersion(torch.__version__) >= "2.13"
 
 
 def _then_close(written: Callable[[], Any], stager: Any) -> Callable[[], Any]:
