@@ -84,6 +84,12 @@ def torchrig_trainer(w: Any) -> Runner:
     return _torchrig(w)
 
 
+def torchrig_trainer_every_50(w: Any) -> Runner:
+    """Our Trainer with all its defaults, its logging interval (50 steps) included: the loss is
+    still logged by ``self.log`` every step and shown by the bar, the CSV gets every 50th."""
+    return _torchrig(w, log_every_n_steps=50)
+
+
 def torchrig_trainer_no_ckpt(w: Any) -> Runner:
     """Our Trainer with progress bar and CSV logging every step, checkpointing off."""
     return _torchrig(w, checkpointing=False)
@@ -125,6 +131,7 @@ def torchrig_fit(
     logger: bool,
     checkpointing: bool,
     profiler: str | None = None,
+    log_every_n_steps: int = 1,
 ) -> None:
     """``fit`` ``steps`` steps with the default bar (drawing to a terminal whose output is thrown
     away), CSV logger and checkpointing each on or off, in a scratch directory; what the fit
@@ -141,7 +148,7 @@ def torchrig_fit(
             accelerator="cpu",
             devices=1,
             max_steps=steps,
-            log_every_n_steps=1,
+            log_every_n_steps=log_every_n_steps,
             default_root_dir=root,
             callbacks=callbacks,
             enable_progress_bar=bar,
@@ -160,6 +167,7 @@ def _torchrig(
     checkpointing: bool = True,
     charge_flush: bool = True,
     profiler: str | None = None,
+    log_every_n_steps: int = 1,
 ) -> Runner:
     """Our Trainer with the default bar, CSV logger and checkpointing each on or off; with
     ``charge_flush=False`` the rows logged in the timed window are written after it; ``profiler``
@@ -179,6 +187,7 @@ def _torchrig(
             logger=logger,
             checkpointing=checkpointing,
             profiler=profiler,
+            log_every_n_steps=log_every_n_steps,
         )
         return _steady(timer, w, steps)
 
@@ -190,12 +199,17 @@ def lightning_trainer(w: Any) -> Runner:
     return _lightning(w, lean=False)
 
 
+def lightning_trainer_every_50(w: Any) -> Runner:
+    """Lightning's Trainer with all its defaults, its logging interval (50 steps) included."""
+    return _lightning(w, lean=False, log_every_n_steps=50)
+
+
 def lightning_trainer_lean(w: Any) -> Runner:
     """Lightning's Trainer with progress bar, logger, checkpointing and model summary off."""
     return _lightning(w, lean=True)
 
 
-def _lightning(w: Any, *, lean: bool) -> Runner:
+def _lightning(w: Any, *, lean: bool, log_every_n_steps: int = 1) -> Runner:
     import lightning.pytorch as pl
 
     for name in ("lightning.pytorch", "lightning.fabric"):  # "GPU available: False" and tips, per fit
@@ -226,7 +240,12 @@ def _lightning(w: Any, *, lean: bool) -> Runner:
                 extra.update(enable_progress_bar=False, logger=False, enable_checkpointing=False)
                 extra["enable_model_summary"] = False
             trainer = pl.Trainer(
-                accelerator="cpu", devices=1, max_steps=steps, log_every_n_steps=1, default_root_dir=root, **extra
+                accelerator="cpu",
+                devices=1,
+                max_steps=steps,
+                log_every_n_steps=log_every_n_steps,
+                default_root_dir=root,
+                **extra,
             )
             with (
                 contextlib.redirect_stdout(devnull),
@@ -257,8 +276,10 @@ TRAINER_PARTS = {
 #: name -> contender, in the order they appear in the table.
 TRAINER_CONTENDERS = {
     "torchrig Trainer": torchrig_trainer,
+    "torchrig Trainer, log every 50 steps (default)": torchrig_trainer_every_50,
     "torchrig Trainer no ckpt": torchrig_trainer_no_ckpt,
     "torchrig Trainer lean": torchrig_trainer_lean,
     "Lightning Trainer": lightning_trainer,
+    "Lightning Trainer, log every 50 steps (default)": lightning_trainer_every_50,
     "Lightning Trainer lean": lightning_trainer_lean,
 }
