@@ -4,7 +4,8 @@ eager vs ``compile=True`` vs ``compile="regional"``, on the CPU, in one run.
     python benchmarks/compile_time.py [--blocks 12 32] [--dim 128] [--steps 30] [--floor] [--markdown]
 
 Each contender runs in a fresh process with an empty inductor cache (a cold start, as a first
-run of a job), on one thread, compiling in that thread (``TORCHINDUCTOR_COMPILE_THREADS=1``).
+run of a job), on one thread, compiling in that thread (``TORCHINDUCTOR_COMPILE_THREADS=1``;
+``--compile-threads default`` leaves inductor its own worker per core).
 The first step (forward, backward, optimizer step) includes the compilation; it is timed in wall
 seconds and in CPU seconds of the process and of the C++ compiler runs it waited for (the CPU
 time leaves out what other programs on a shared machine took). The steady step time is the
@@ -109,10 +110,14 @@ def one(name: str, blocks: int, dim: int, steps: int) -> dict[str, Any]:
     }
 
 
-def run(name: str, blocks: int, dim: int, steps: int) -> dict[str, Any]:
-    """One contender in a fresh process with its own empty inductor cache."""
+def run(name: str, blocks: int, dim: int, steps: int, compile_threads: str = "1") -> dict[str, Any]:
+    """One contender in a fresh process with its own empty inductor cache; ``compile_threads``:
+    ``TORCHINDUCTOR_COMPILE_THREADS``, or ``"default"`` for inductor's own choice (one compile
+    worker per core, at most 32)."""
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": compile_threads}
+        if compile_threads == "default":
+            del env["TORCHINDUCTOR_COMPILE_THREADS"]
         cmd = [sys.executable, __file__, "--one", name, "--blocks", str(blocks), "--dim", str(dim)]
         out = subprocess.run([*cmd, "--steps", str(steps)], env=env, capture_output=True, text=True, check=True)
         return dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -142,6 +147,12 @@ def main() -> None:
     parser.add_argument(
         "--floor", action="store_true", help="also compile=True of a 1-block model: the fixed cost of a first compile"
     )
+    parser.add_argument(
+        "--compile-threads",
+        default="1",
+        help="inductor's compile threads: a number (default 1: compiling in the process's one thread) or "
+        "'default' (inductor's own choice: a worker per core)",
+    )
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--one", choices=list(CONTENDERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -151,13 +162,14 @@ def main() -> None:
     import torch
 
     for blocks in args.blocks:
-        results = {name: run(name, blocks, args.dim, args.steps) for name in CONTENDERS}
+        threads = args.compile_threads
+        results = {name: run(name, blocks, args.dim, args.steps, threads) for name in CONTENDERS}
         if args.floor:
-            results["compile=True, 1 block"] = run("compile=True", 1, args.dim, args.steps)
+            results["compile=True, 1 block"] = run("compile=True", 1, args.dim, args.steps, threads)
         params = results["eager"]["params"]
         print(
             f"\n{blocks}-block transformer (dim {args.dim}, {params / 1e6:.1f}M parameters), CPU, 1 thread, "
-            f"torch {torch.__version__}, cold inductor cache"
+            f"torch {torch.__version__}, cold inductor cache, compile threads: {args.compile_threads}"
         )
         print_table(results, args.markdown)
         whole, regional = results["compile=True"], results['compile="regional"']
