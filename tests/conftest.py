@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,14 @@ from torchrig import ACCELERATOR_REGISTRY, STRATEGY_REGISTRY  # noqa: E402
 
 _SESSION_ENVIRON = dict(os.environ)
 _RANK_VARS = (
-    "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
 )
 _BUILTIN_ENTRIES = [(r, dict(r._entries)) for r in (ACCELERATOR_REGISTRY, STRATEGY_REGISTRY)]
 
@@ -99,6 +108,23 @@ def python_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+def printed_json(text: str) -> list[Any]:
+    """The JSON objects printed as lines of ``text`` (a line that starts with ``{``), in order.
+
+    Two ranks printing at the same moment to one pipe can run their lines together: the
+    subprocesses run unbuffered (``PYTHONUNBUFFERED``), where a line's text and its end are two
+    writes, so ``{a}{b}`` then two line ends is read as two objects, as printed.
+    """
+    decoder = json.JSONDecoder()
+    objects: list[Any] = []
+    for line in text.splitlines():
+        at = 0
+        while line.startswith("{", at):
+            value, at = decoder.raw_decode(line, at)
+            objects.append(value)
+    return objects
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

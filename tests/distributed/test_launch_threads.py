@@ -3,7 +3,6 @@ unless the user set ``OMP_NUM_THREADS`` (issue 15, item 7)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from typing import Any
@@ -12,6 +11,7 @@ import pytest
 import torch
 from dist_helpers import SCRIPTS, env, explain
 
+from conftest import printed_json
 from torchrig.strategies import launch
 from torchrig.strategies.launch import limit_threads, thread_env, worker_threads
 
@@ -41,7 +41,7 @@ def _layouts(args: list[str], omp: str | None) -> dict[str, dict[str, Any]]:
         child_env["OMP_NUM_THREADS"] = omp
     proc = subprocess.run(args, env=child_env, capture_output=True, text=True, timeout=100, check=False)
     assert proc.returncode == 0, explain(proc)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = printed_json(proc.stdout)
     return {line["layout"]: line for line in lines}
 
 

@@ -5,7 +5,6 @@ workers used to share one copy of the parameters through shared memory)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from dist_helpers import SCRIPTS, explain, run
 
 import torchrig
+from conftest import printed_json
 
 RUNS = 3
 
@@ -20,7 +20,7 @@ RUNS = 3
 def _weights(args: list[str]) -> list[dict[str, Any]]:
     proc = run([str(SCRIPTS / "layouts.py"), *args], timeout=110)
     assert proc.returncode == 0, explain(proc)
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return printed_json(proc.stdout)
 
 
 def _assert_close(got: list[float], expected: list[float], what: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from trainer_helpers import Regressor, loader, quiet_trainer, regression_data
+from trainer_helpers import Regressor, loader, printed_json, quiet_trainer, regression_data
 
 import torchrig
 
@@ -173,7 +173,6 @@ sys.stdout.write(json.dumps(row) + "\n")
 @pytest.mark.timeout(120)
 @pytest.mark.distributed
 def test_overfit_batches_and_fast_dev_run_on_two_processes(tmp_path: Path) -> None:
-    import json
     import os
     import subprocess
     import sys
@@ -190,7 +189,7 @@ def test_overfit_batches_and_fast_dev_run_on_two_processes(tmp_path: Path) -> No
         [sys.executable, str(script), str(run_dir)], env=env, capture_output=True, text=True, timeout=110, cwd=run_dir
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=str)
+    rows = sorted(printed_json(done.stdout), key=str)
     assert [r["rank"] for r in rows] == [0, 1]
     for row in rows:
         epochs = [row["train"][i : i + 2] for i in range(0, 6, 2)]

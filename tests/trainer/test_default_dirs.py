@@ -6,6 +6,7 @@ so runs never share a ``last``; a new run asked for ``"last"`` continues the new
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -120,7 +121,8 @@ def test_two_processes_agree_on_the_run_folder_and_resume_the_newest_run(tmp_pat
             env=subprocess_env(), capture_output=True, text=True, timeout=100,
         )
         assert done.returncode == 0, done.stderr
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    # Found, not split into lines: the two ranks print at once, unbuffered (see conftest.printed_json).
+    lines = sorted(re.findall(r"rank \d dir \S+ step \d+", done.stdout))
     checkpoints = root / "torchrig_logs" / "version_1" / "checkpoints"
     assert lines == [f"rank {r} dir {checkpoints} step 4" for r in (0, 1)]  # 2 steps an epoch on 2 processes
     assert f"torchrig: resumed from {_last(root, 0)} -> " in done.stdout

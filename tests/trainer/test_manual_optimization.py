@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from trainer_helpers import ROOT, Regressor, loader, quiet_trainer, subprocess_env
+from trainer_helpers import ROOT, Regressor, loader, printed_json, quiet_trainer, subprocess_env
 
 GAN_SCRIPT = ROOT / "examples" / "gan.py"
 
@@ -398,7 +397,7 @@ def test_manual_accumulation_with_no_backward_sync_on_two_processes(tmp_path: Pa
         [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=110, cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=str)
+    rows = sorted(printed_json(done.stdout), key=str)
     assert [r["ranks"] for r in rows] == [[0, 0, 0, 2], [1, 1, 0, 2]]
     assert all(r["same_on_every_rank"] and r["equals_automatic"] and r["steps"] == 16 for r in rows)
     # inside no_backward_sync each rank keeps its own gradients; the next backward averages them
@@ -524,7 +523,7 @@ def test_manual_optimization_on_two_fsdp_processes_equals_ddp(tmp_path: Path) ->
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=str)
+    rows = sorted(printed_json(done.stdout), key=str)
     assert [r["rank"] for r in rows] == [0, 1]
     for row in rows:
         gan = row["gan"]

@@ -3,7 +3,6 @@ the error; nothing (and no hang) when only one rank raises; not for KeyboardInte
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import Regressor, loader, quiet_trainer, subprocess_env
+from trainer_helpers import Regressor, loader, printed_json, quiet_trainer, subprocess_env
 
 import torchrig
 from torchrig.strategies.agreement import every_rank_arrives
@@ -35,9 +34,7 @@ def checkpoint(tmp_path: Path, **kwargs: Any) -> torchrig.ModelCheckpoint:
     return torchrig.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_on_exception=True, save_top_k=0, **kwargs)
 
 
-def test_the_error_saves_last_at_that_step_and_propagates(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_error_saves_last_at_that_step_and_propagates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trainer = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[checkpoint(tmp_path)])
     with pytest.raises(ValueError, match=r"^bad batch$"):
         trainer.fit(FailsAtStep(3, ValueError("bad batch")), loader(32, batch_size=4))
@@ -181,7 +178,7 @@ def run_two(tmp_path: Path, ranks: str) -> subprocess.CompletedProcess[str]:
 def test_every_rank_raising_at_the_same_step_saves_that_step_on_both(tmp_path: Path) -> None:
     done = run_two(tmp_path, "0,1")
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=str)
+    rows = sorted(printed_json(done.stdout), key=str)
     assert [r["caught"] for r in rows] == ["bad batch on rank 0", "bad batch on rank 1"]  # the error went on
     assert [r["last"] for r in rows] == ["epoch=0-step=3", "epoch=0-step=3"]
     assert [r["resumed_steps"] for r in rows] == [7, 7]  # 8 batches a rank: step 3, then the 4 after the failed one
@@ -197,7 +194,7 @@ def test_one_rank_raising_saves_nothing_says_why_and_does_not_hang(tmp_path: Pat
         "torchrig: rank 1: ValueError at epoch 0, batch 3, step 3, but only 1 of 2 ranks raised there within 3 s; "
         "a save needs every rank, so ModelCheckpoint(save_on_exception=True) saved nothing" in done.stderr
     ), done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = printed_json(done.stdout)
     assert rows == [{"rank": 1, "caught": "bad batch on rank 1", "resumed_steps": None, "last": None}]
     # rank 0's all-reduce failed when rank 1 left; it did not save either
     assert "torchrig: rank 0: RuntimeError at epoch 0, batch 3, step 3, but the ranks did not all raise" in done.stderr

@@ -90,6 +90,14 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+def printed_json(text: str) -> list[Any]:
+    """``conftest.printed_json``, imported when called (the children that import these helpers,
+    and the test modules that use this, have no conftest to import)."""
+    from conftest import printed_json as read
+
+    return read(text)
+
+
 def docs_example(heading: str, doc: str = "trainer_tools.md") -> str:
     """The one python block of the section ``heading`` (a ``## `` heading) of ``docs/<doc>``."""
     import re
