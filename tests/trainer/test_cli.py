@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import PYTHON, python_env
@@ -123,6 +124,20 @@ def test_wrong_arguments_exit_2_with_a_clear_message(
         CLI(Regressor, Line, args=args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_the_trainer_seed_also_fixes_the_models_first_weights(tmp_path: Path) -> None:
+    """The model is built before the run seeds: ``trainer.seed`` is applied before it is built."""
+
+    def weights(*extra: str) -> torch.Tensor:
+        args = ["--trainer.logger=false", "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}"]
+        cli = CLI(Regressor, Line, run=False, args=[*args, *extra])
+        return torch.cat([p.detach().flatten() for p in cli.model.parameters()])
+
+    assert torch.equal(weights("--trainer.seed=3"), weights("--trainer.seed=3"))
+    assert not torch.equal(weights("--trainer.seed=3"), weights("--trainer.seed=4"))
+    assert not torch.equal(weights(), weights())  # no seed: the weights are the RNG's
 
 
 @pytest.mark.timeout(60)

@@ -148,6 +148,11 @@ class CLI:
         section = self.config[self.subcommand] if self.subcommand else self.config
         parser = self._subparsers[self.subcommand] if self.subcommand else self.parser
         try:
+            seed = section.get("trainer.seed")
+            if seed is not None:  # before the classes are built: the model's first weights follow it too
+                from torchrig.rig import seed_everything
+
+                seed_everything(seed)
             # ``instantiate`` replaced ``instantiate_classes`` in jsonargparse 4.49.
             instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
             self.config_init: Namespace = instantiate(section)
