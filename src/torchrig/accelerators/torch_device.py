@@ -114,6 +114,12 @@ class TorchDeviceAccelerator(Accelerator):
         if not self.is_available():  # torch.cuda answers 0 even on a build without CUDA
             return {}
         device = torch.device(device)
+        # torch.accelerator answers for the current accelerator only (asked about another device
+        # type, it may answer for the current one's device of the same index).
+        current = torch.accelerator.current_accelerator()
+        sources = [device_module(self.device_type)]
+        if current is not None and current.type == device.type:
+            sources.insert(0, torch.accelerator)
         stats: dict[str, Any] = {}
         for key, fn in (
             ("allocated_bytes", "memory_allocated"),
@@ -121,29 +127,13 @@ class TorchDeviceAccelerator(Accelerator):
             ("peak_allocated_bytes", "max_memory_allocated"),
             ("peak_reserved_bytes", "max_memory_reserved"),
         ):
-            value = self._query(fn, device)
+            value = _query(sources, fn, device)
             if value is not None:
                 stats[key] = int(value)
-        info = self._query("get_memory_info", device) or self._query("mem_get_info", device)
+        info = _query(sources, "get_memory_info", device) or _query(sources, "mem_get_info", device)
         if info is not None:
             stats["free_bytes"], stats["total_bytes"] = int(info[0]), int(info[1])
         return stats
-
-    def _query(self, fn: str, device: torch.device) -> Any:
-        # torch.accelerator answers for the current accelerator only (asked about another device
-        # type, it may answer for the current one's device of the same index).
-        current = torch.accelerator.current_accelerator()
-        sources = [device_module(self.device_type)]
-        if current is not None and current.type == device.type:
-            sources.insert(0, torch.accelerator)
-        for source in sources:
-            f = getattr(source, fn, None)
-            if callable(f):
-                try:
-                    return f(device)
-                except Exception:  # not supported by this backend: try the next source
-                    continue
-        return None
 
     def setup_device(self, device: torch.device) -> None:
         """Make ``device`` current and check that the backend can put a tensor on it.
@@ -181,3 +171,15 @@ class TorchDeviceAccelerator(Accelerator):
     def __repr__(self) -> str:
         args = ", ".join([f"device_type={self.device_type!r}", *self.carried_repr()])
         return f"TorchDeviceAccelerator({args})"
+
+
+def _query(sources: list[Any], fn: str, device: torch.device) -> Any:
+    """``fn(device)`` from the first of ``sources`` that has it and answers; None when none does."""
+    for source in sources:
+        f = getattr(source, fn, None)
+        if callable(f):
+            try:
+                return f(device)
+            except Exception:  # not supported by this backend: try the next source
+                continue
+    return None

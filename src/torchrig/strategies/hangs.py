@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 KEEP = 8
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,9 +77,7 @@ def _peer_is_reporting(rank: int, world_size: int, wait: float = 3.0) -> bool:
     (its collective timed out and closed the connection this one failed on). A peer that crashed
     writes none: the error is then raised as it is, ``wait`` seconds later at most."""
     try:
-        import torch.distributed as dist
-
-        store = dist.PrefixStore(f"torchrig/hang/{_incidents[0] + 1}", dist.distributed_c10d._get_default_store())
+        store = _incident_store(_incidents[0] + 1)
         deadline = time.monotonic() + wait
         while True:
             if any(store.check([str(r)]) for r in range(world_size) if r != rank):
@@ -90,14 +89,19 @@ def _peer_is_reporting(rank: int, world_size: int, wait: float = 3.0) -> bool:
         return False
 
 
+def _incident_store(incident: int) -> Any:
+    """The keys of one incident's reports in the process group's store (one key per rank)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"torchrig/hang/{incident}", dist.distributed_c10d._get_default_store())
+
+
 def explain(entry: tuple[int, str, str], rank: int, world_size: int, timeout: timedelta, err: Exception) -> str:
     """Exchange what every rank is doing through the store; the message naming all of them."""
     states = {rank: describe(entry)}
     try:
-        import torch.distributed as dist
-
         _incidents[0] += 1
-        store = dist.PrefixStore(f"torchrig/hang/{_incidents[0]}", dist.distributed_c10d._get_default_store())
+        store = _incident_store(_incidents[0])
         store.set(str(rank), states[rank])
         deadline = time.monotonic() + timeout.total_seconds()
         missing = [r for r in range(world_size) if r != rank]
