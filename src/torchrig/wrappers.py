@@ -41,6 +41,7 @@ class RigModule(nn.Module):
         object.__setattr__(self, "_rig_autocast", precision.autocast if precision.is_mixed else None)
         object.__setattr__(self, "_rig_converts", precision.converts)
         object.__setattr__(self, "_rig_converts_output", precision.converts_output)
+        object.__setattr__(self, "_rig_device_type", precision.device_type)
         # True when calling the module's methods directly is the same as running its forward
         # through the wrapper: the strategy wrapped nothing, the precision adds no autocast or casts.
         object.__setattr__(
@@ -67,15 +68,19 @@ class RigModule(nn.Module):
         precision = self._rig_precision
         if self._rig_converts:
             args, kwargs = precision.convert_input((args, kwargs))
+        converts_output = self._rig_converts_output
         try:
             if self._rig_autocast is None:
                 out = self._rig_forward(*args, **kwargs)
             else:
+                # Called under autocast already (``rig.autocast()``): the loss that follows runs
+                # under it too, as in a hand-written loop, so half outputs stay half.
+                converts_output = converts_output and not torch.is_autocast_enabled(self._rig_device_type)
                 with self._rig_autocast():
                     out = self._rig_forward(*args, **kwargs)
         except RuntimeError as err:
             self._rig_reraise(err, args, kwargs)
-        return precision.convert_output(out) if self._rig_converts_output else out
+        return precision.convert_output(out) if converts_output else out
 
     def _rig_reraise(self, err: RuntimeError, args: tuple[Any, ...], kwargs: dict[str, Any]) -> NoReturn:
         """Raise ``err``, as a :class:`DeviceMismatchError` when it is a device/dtype mismatch."""
@@ -116,21 +121,23 @@ class RigModule(nn.Module):
         autocast, output casts) but *not* as the wrapped module's forward: the strategy's wrapper
         sees only the calls made inside it (``self(x)``, a submodule's call), each as a forward of
         its own. A device or dtype mismatch is re-raised as in ``forward``."""
-        precision, reraise = self._rig_precision, self._rig_reraise
+        precision, reraise, device_type = self._rig_precision, self._rig_reraise, self._rig_device_type
         autocast, converts, converts_output = self._rig_autocast, self._rig_converts, self._rig_converts_output
 
         def call(*args: Any) -> Any:
             if converts:
                 args = precision.convert_input(args)
+            convert = converts_output
             try:
                 if autocast is None:
                     out = method(*args)
                 else:
+                    convert = convert and not torch.is_autocast_enabled(device_type)  # as in forward
                     with autocast():
                         out = method(*args)
             except RuntimeError as err:
                 reraise(err, args, {})
-            return precision.convert_output(out) if converts_output else out
+            return precision.convert_output(out) if convert else out
 
         return call
 

@@ -69,6 +69,27 @@ def test_mixed_precision_forward_autocasts_and_returns_fp32() -> None:
         assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.bfloat16
 
 
+def test_a_call_under_autocast_keeps_half_outputs_and_the_loss_matches() -> None:
+    """Under ``rig.autocast()`` the loss runs under autocast too (log_softmax upcasts inside its
+    kernel), so the forward skips its float32 copy of the output; the loss is the same."""
+    rig = torchrig.Rig(accelerator="cpu", precision="bf16-mixed")
+    torch.manual_seed(0)
+    model = rig.prepare(torch.nn.Linear(16, 50))
+    x, target = torch.randn(8, 16), torch.randint(0, 50, (8,))
+    outside = model(x)
+    with rig.autocast():
+        inside = model(x)
+        loss_inside = F.cross_entropy(inside, target)
+    assert outside.dtype == torch.float32
+    assert inside.dtype == torch.bfloat16
+    assert loss_inside.dtype == torch.float32  # cross_entropy is an fp32 op under autocast
+    assert loss_inside.item() == pytest.approx(F.cross_entropy(outside, target).item(), rel=1e-6)
+    grads = [torch.autograd.grad(loss, model.weight)[0] for loss in (loss_inside, F.cross_entropy(outside, target))]
+    torch.testing.assert_close(grads[0], grads[1], rtol=0.02, atol=1e-3)
+    with torch.autocast("cpu", enabled=False):  # autocast switched off again: converted again
+        assert model(x).dtype == torch.float32
+
+
 def _initial_loss() -> float:
     torchrig.seed_everything(0)
     x = torch.randn(64, 8)
