@@ -1,7 +1,8 @@
 """Time to the first step and steady step time of a 12-block transformer through ``Rig``:
-eager vs ``compile=True`` vs ``compile="regional"``, on the CPU, in one run.
+eager vs ``compile=True`` vs ``compile="regional"``, on the CPU (or ``--device cuda``), in one run.
 
     python benchmarks/compile_time.py [--blocks 12 32] [--dim 128] [--steps 30] [--floor] [--markdown]
+    python benchmarks/compile_time.py --device cuda --compile-threads default   # on a GPU machine
 
 Each contender runs in a fresh process with an empty inductor cache (a cold start, as a first
 run of a job), on one thread, compiling in that thread (``TORCHINDUCTOR_COMPILE_THREADS=1``;
@@ -9,7 +10,7 @@ run of a job), on one thread, compiling in that thread (``TORCHINDUCTOR_COMPILE_
 The first step (forward, backward, optimizer step) includes the compilation; it is timed in wall
 seconds and in CPU seconds of the process and of the C++ compiler runs it waited for (the CPU
 time leaves out what other programs on a shared machine took). The steady step time is the
-median CPU time of ``--steps`` steps after 3 more.
+median CPU time of ``--steps`` steps after 3 more (their wall time on an accelerator).
 Targets (issue 18): regional's first step at most a third of whole-model compile's, and its
 steady step no slower than whole-model compile's. ``--floor`` adds ``compile=True`` of a 1-block
 model (the same embedding and head): about the cost of any first compile (inductor's start and
@@ -39,14 +40,15 @@ def _cpu_with_children() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def one(name: str, blocks: int, dim: int, steps: int) -> dict[str, Any]:
+def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu") -> dict[str, Any]:
     """Run one contender here; its timings (seconds)."""
     import torch
     from torch import nn
 
     import torchrig
 
-    torch.set_num_threads(1)
+    if device == "cpu":
+        torch.set_num_threads(1)
     heads, seq, batch, vocab = 4, 64, 8, 512
 
     class Block(nn.Module):
@@ -77,10 +79,13 @@ def one(name: str, blocks: int, dim: int, steps: int) -> dict[str, Any]:
             return self.head(self.norm(x))
 
     torch.manual_seed(0)
-    rig = torchrig.Rig(accelerator="cpu", compile=CONTENDERS[name])
+    rig = torchrig.Rig(accelerator=device, compile=CONTENDERS[name])
     model = rig.prepare(Transformer())
     optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    tokens = torch.randint(0, vocab, (batch, seq + 1))
+    tokens = torch.randint(0, vocab, (batch, seq + 1)).to(rig.device)
+    # A step's time: CPU seconds on the CPU (what other programs take is left out), wall seconds
+    # on an accelerator (each step ends in float(loss), which waits for the device).
+    clock = time.process_time if device == "cpu" else time.perf_counter
 
     def step() -> float:
         logits = model(tokens[:, :-1])
@@ -97,9 +102,9 @@ def one(name: str, blocks: int, dim: int, steps: int) -> dict[str, Any]:
         step()
     times = []
     for _ in range(steps):
-        cpu = time.process_time()
+        start = clock()
         step()
-        times.append(time.process_time() - cpu)
+        times.append(clock() - start)
     params = sum(p.numel() for p in model.parameters())
     return {
         "first_wall": first_wall,
@@ -110,7 +115,9 @@ def one(name: str, blocks: int, dim: int, steps: int) -> dict[str, Any]:
     }
 
 
-def run(name: str, blocks: int, dim: int, steps: int, compile_threads: str = "1") -> dict[str, Any]:
+def run(
+    name: str, blocks: int, dim: int, steps: int, compile_threads: str = "1", device: str = "cpu"
+) -> dict[str, Any]:
     """One contender in a fresh process with its own empty inductor cache; ``compile_threads``:
     ``TORCHINDUCTOR_COMPILE_THREADS``, or ``"default"`` for inductor's own choice (one compile
     worker per core, at most 32)."""
@@ -118,13 +125,16 @@ def run(name: str, blocks: int, dim: int, steps: int, compile_threads: str = "1"
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": compile_threads}
         if compile_threads == "default":
             del env["TORCHINDUCTOR_COMPILE_THREADS"]
-        cmd = [sys.executable, __file__, "--one", name, "--blocks", str(blocks), "--dim", str(dim)]
-        out = subprocess.run([*cmd, "--steps", str(steps)], env=env, capture_output=True, text=True, check=True)
+        cmd = [sys.executable, __file__, "--one", name, "--blocks", str(blocks), "--dim", str(dim), "--device", device]
+        out = subprocess.run([*cmd, "--steps", str(steps)], env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"{name} ({blocks} blocks) failed with exit code {out.returncode}:\n{out.stderr[-3000:]}")
         return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def print_table(results: dict[str, dict[str, Any]], markdown: bool) -> None:
-    head = ["contender", "first step wall (s)", "first step CPU (s)", "steady step CPU (ms)", "first loss"]
+def print_table(results: dict[str, dict[str, Any]], markdown: bool, device: str = "cpu") -> None:
+    steady = "steady step CPU (ms)" if device == "cpu" else "steady step wall (ms)"
+    head = ["contender", "first step wall (s)", "first step CPU (s)", steady, "first loss"]
     rows = [
         [name, f"{r['first_wall']:.1f}", f"{r['first_cpu']:.1f}", f"{r['step'] * 1e3:.1f}", f"{r['loss']:.5f}"]
         for name, r in results.items()
@@ -153,25 +163,34 @@ def main() -> None:
         help="inductor's compile threads: a number (default 1: compiling in the process's one thread) or "
         "'default' (inductor's own choice: a worker per core)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="the accelerator to run on (default cpu; 'cuda' on a GPU machine: Triton kernels instead of C++)",
+    )
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--one", choices=list(CONTENDERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.blocks[0], args.dim, args.steps)))
+        print(json.dumps(one(args.one, args.blocks[0], args.dim, args.steps, args.device)))
         return
     import torch
 
+    where = "CPU, 1 thread"
+    if args.device != "cpu":
+        module = getattr(torch, args.device)
+        where = module.get_device_name() if hasattr(module, "get_device_name") else args.device
     for blocks in args.blocks:
         threads = args.compile_threads
-        results = {name: run(name, blocks, args.dim, args.steps, threads) for name in CONTENDERS}
+        results = {name: run(name, blocks, args.dim, args.steps, threads, args.device) for name in CONTENDERS}
         if args.floor:
-            results["compile=True, 1 block"] = run("compile=True", 1, args.dim, args.steps, threads)
+            results["compile=True, 1 block"] = run("compile=True", 1, args.dim, args.steps, threads, args.device)
         params = results["eager"]["params"]
         print(
-            f"\n{blocks}-block transformer (dim {args.dim}, {params / 1e6:.1f}M parameters), CPU, 1 thread, "
+            f"\n{blocks}-block transformer (dim {args.dim}, {params / 1e6:.1f}M parameters), {where}, "
             f"torch {torch.__version__}, cold inductor cache, compile threads: {args.compile_threads}"
         )
-        print_table(results, args.markdown)
+        print_table(results, args.markdown, args.device)
         whole, regional = results["compile=True"], results['compile="regional"']
         print(
             f"regional / whole: first step {regional['first_wall'] / whole['first_wall']:.2f}x wall, "
