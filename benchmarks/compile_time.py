@@ -15,7 +15,10 @@ Targets (issue 18): regional's first step at most a third of whole-model compile
 steady step no slower than whole-model compile's. ``--floor`` adds ``compile=True`` of a 1-block
 model (the same embedding and head): about the cost of any first compile (inductor's start and
 the C++ compiler runs for one block's kernels), which compiling one block's graph cannot go far
-below. ``--blocks 12 32`` measures several depths.
+below. ``--blocks 12 32`` measures several depths. ``--warm-start`` has each process first
+compile a tiny unrelated function (inductor's one-time start, paid by any first compilation in a
+process), so that the first step shows what compiling this model adds, the part that
+``compile=`` chooses.
 """
 
 from __future__ import annotations
@@ -40,7 +43,17 @@ def _cpu_with_children() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu") -> dict[str, Any]:
+def _start_inductor(device: str) -> None:
+    """Compile and run (forward and backward) a tiny function unrelated to the model: what any
+    first compilation in a process pays once (importing dynamo and inductor, the compiler
+    toolchain's checks, inductor's compile workers, on a GPU Triton), whatever is compiled."""
+    import torch
+
+    x = torch.randn(8, device=device, requires_grad=True)
+    torch.compile(lambda t: torch.nn.functional.gelu(t).sum())(x).backward()
+
+
+def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu", warm_start: bool = False) -> dict[str, Any]:
     """Run one contender here; its timings (seconds)."""
     import torch
     from torch import nn
@@ -95,6 +108,8 @@ def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu") -> di
         optimizer.zero_grad()
         return float(loss)
 
+    if warm_start:
+        _start_inductor(device)
     wall, cpu = time.perf_counter(), _cpu_with_children()
     loss = step()
     first_wall, first_cpu = time.perf_counter() - wall, _cpu_with_children() - cpu
@@ -116,7 +131,13 @@ def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu") -> di
 
 
 def run(
-    name: str, blocks: int, dim: int, steps: int, compile_threads: str = "1", device: str = "cpu"
+    name: str,
+    blocks: int,
+    dim: int,
+    steps: int,
+    compile_threads: str = "1",
+    device: str = "cpu",
+    warm_start: bool = False,
 ) -> dict[str, Any]:
     """One contender in a fresh process with its own empty inductor cache; ``compile_threads``:
     ``TORCHINDUCTOR_COMPILE_THREADS``, or ``"default"`` for inductor's own choice (one compile
@@ -126,7 +147,8 @@ def run(
         if compile_threads == "default":
             del env["TORCHINDUCTOR_COMPILE_THREADS"]
         cmd = [sys.executable, __file__, "--one", name, "--blocks", str(blocks), "--dim", str(dim), "--device", device]
-        out = subprocess.run([*cmd, "--steps", str(steps)], env=env, capture_output=True, text=True)
+        cmd += ["--steps", str(steps), *(["--warm-start"] if warm_start else [])]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode:
             raise SystemExit(f"{name} ({blocks} blocks) failed with exit code {out.returncode}:\n{out.stderr[-3000:]}")
         return dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -168,11 +190,17 @@ def main() -> None:
         default="cpu",
         help="the accelerator to run on (default cpu; 'cuda' on a GPU machine: Triton kernels instead of C++)",
     )
+    parser.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="each process first compiles a tiny unrelated function (inductor's one-time start), "
+        "so that the first step times only what compiling this model adds",
+    )
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--one", choices=list(CONTENDERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.blocks[0], args.dim, args.steps, args.device)))
+        print(json.dumps(one(args.one, args.blocks[0], args.dim, args.steps, args.device, args.warm_start)))
         return
     import torch
 
@@ -182,13 +210,15 @@ def main() -> None:
         where = module.get_device_name() if hasattr(module, "get_device_name") else args.device
     for blocks in args.blocks:
         threads = args.compile_threads
-        results = {name: run(name, blocks, args.dim, args.steps, threads, args.device) for name in CONTENDERS}
+        options = (threads, args.device, args.warm_start)
+        results = {name: run(name, blocks, args.dim, args.steps, *options) for name in CONTENDERS}
         if args.floor:
-            results["compile=True, 1 block"] = run("compile=True", 1, args.dim, args.steps, threads, args.device)
+            results["compile=True, 1 block"] = run("compile=True", 1, args.dim, args.steps, *options)
         params = results["eager"]["params"]
         print(
             f"\n{blocks}-block transformer (dim {args.dim}, {params / 1e6:.1f}M parameters), {where}, "
             f"torch {torch.__version__}, cold inductor cache, compile threads: {args.compile_threads}"
+            + ("; inductor started before the first step (--warm-start)" if args.warm_start else "")
         )
         print_table(results, args.markdown, args.device)
         whole, regional = results["compile=True"], results['compile="regional"']
