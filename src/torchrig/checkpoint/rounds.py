@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchrig import arguments
+from torchrig.strategies.agreement import default_store
 
 _RESULT = "torchrig/save/{}/result".format  # rank zero's outcome of save round n: "" or "Type: message"
 _arrived = [0]  # rig.save calls every rank arrived at, counted alike on every rank
@@ -46,9 +47,8 @@ def all_ranks_arrive(rig: Any, target: Path) -> int | None:
     or None without a process group's store.
     """
     warn_after = arrival_warning_seconds()
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):  # no default group, or a torch without the store
+    store = default_store()
+    if store is None:  # no process group
         return None
     n = _arrived[0]
     group_timeout = getattr(getattr(rig, "strategy", None), "timeout", None)
@@ -114,7 +114,7 @@ def shared_outcome(rig: Any, n: int | None) -> SharedOutcome | None:
     """How the ranks of ``rig`` share rank zero's outcome of save round ``n`` (None: one process)."""
     if n is None:
         return None
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     timeout = getattr(rig.strategy, "timeout", None)
     return SharedOutcome(
         store, n, timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(minutes=30)
@@ -123,6 +123,7 @@ def shared_outcome(rig: Any, n: int | None) -> SharedOutcome | None:
 
 def forget_outcome(rig: Any, n: int) -> None:
     """Rank zero removes the outcome of round ``n`` once every rank is past it."""
-    if rig.is_global_zero:
+    store = default_store()
+    if rig.is_global_zero and store is not None:
         with contextlib.suppress(RuntimeError, dist.DistError):
-            dist.distributed_c10d._get_default_store().delete_key(_RESULT(n))
+            store.delete_key(_RESULT(n))

@@ -62,7 +62,8 @@ def every_rank_arrives(store: Any, world_size: int, key: str, timeout: float) ->
 
 
 def default_store() -> Any:
-    """The default process group's store, or None without a process group."""
+    """The default process group's store, or None without a process group. torch has no public
+    call for it (``_get_default_store`` is private): every use in torchrig goes through here."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):

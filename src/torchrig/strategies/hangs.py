@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+from torchrig.strategies.agreement import default_store
+
 KEEP = 8
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TIMEOUT = re.compile(r"timed? ?out", re.IGNORECASE)
@@ -93,7 +95,7 @@ def _incident_store(incident: int) -> Any:
     """The keys of one incident's reports in the process group's store (one key per rank)."""
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"torchrig/hang/{incident}", dist.distributed_c10d._get_default_store())
+    return dist.PrefixStore(f"torchrig/hang/{incident}", default_store())
 
 
 def explain(entry: tuple[int, str, str], rank: int, world_size: int, timeout: timedelta, err: Exception) -> str:
