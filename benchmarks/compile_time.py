@@ -18,13 +18,17 @@ the C++ compiler runs for one block's kernels), which compiling one block's grap
 below. ``--blocks 12 32`` measures several depths. ``--warm-start`` has each process first
 compile a tiny unrelated function (inductor's one-time start, paid by any first compilation in a
 process), so that the first step shows what compiling this model adds, the part that
-``compile=`` chooses.
+``compile=`` chooses. ``--paired-steady ROUNDS`` also builds the whole-model and the regional
+contender in one process (after their warm-up) and lets them take turns, ``--steps`` steps a
+round, the first to go alternating: the median ratio of their steady step times with a 95%
+interval, free of the drift between separate processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -32,7 +36,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
+
+from _common import median_interval
 
 CONTENDERS = {"eager": None, "compile=True": True, 'compile="regional"': "regional"}
 
@@ -53,15 +60,14 @@ def _start_inductor(device: str) -> None:
     torch.compile(lambda t: torch.nn.functional.gelu(t).sum())(x).backward()
 
 
-def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu", warm_start: bool = False) -> dict[str, Any]:
-    """Run one contender here; its timings (seconds)."""
+def _stepper(name: str, blocks: int, dim: int, device: str) -> tuple[Callable[[], float], int]:
+    """A training step of contender ``name`` (forward, backward, AdamW step; returns the loss)
+    through ``Rig``, and the model's parameter count."""
     import torch
     from torch import nn
 
     import torchrig
 
-    if device == "cpu":
-        torch.set_num_threads(1)
     heads, seq, batch, vocab = 4, 64, 8, 512
 
     class Block(nn.Module):
@@ -96,9 +102,6 @@ def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu", warm_
     model = rig.prepare(Transformer())
     optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
     tokens = torch.randint(0, vocab, (batch, seq + 1)).to(rig.device)
-    # A step's time: CPU seconds on the CPU (what other programs take is left out), wall seconds
-    # on an accelerator (each step ends in float(loss), which waits for the device).
-    clock = time.process_time if device == "cpu" else time.perf_counter
 
     def step() -> float:
         logits = model(tokens[:, :-1])
@@ -108,6 +111,23 @@ def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu", warm_
         optimizer.zero_grad()
         return float(loss)
 
+    return step, sum(p.numel() for p in model.parameters())
+
+
+def _clock(device: str) -> Callable[[], float]:
+    """A step's clock: CPU seconds on the CPU (what other programs take is left out), wall seconds
+    on an accelerator (each step ends in float(loss), which waits for the device)."""
+    return time.process_time if device == "cpu" else time.perf_counter
+
+
+def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu", warm_start: bool = False) -> dict[str, Any]:
+    """Run one contender here; its timings (seconds)."""
+    import torch
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    step, params = _stepper(name, blocks, dim, device)
+    clock = _clock(device)
     if warm_start:
         _start_inductor(device)
     wall, cpu = time.perf_counter(), _cpu_with_children()
@@ -120,7 +140,6 @@ def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu", warm_
         start = clock()
         step()
         times.append(clock() - start)
-    params = sum(p.numel() for p in model.parameters())
     return {
         "first_wall": first_wall,
         "first_cpu": first_cpu,
@@ -128,6 +147,45 @@ def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu", warm_
         "loss": loss,
         "params": params,
     }
+
+
+def paired_steady(blocks: int, dim: int, rounds: int, steps: int, device: str) -> dict[str, Any]:
+    """Steady step time of regional against whole-model compilation in one process: both are
+    built and warmed up, then take turns, ``rounds`` rounds of ``steps`` steps each (which goes
+    first alternates); the per-round ratios regional / whole, their median and 95% interval."""
+    import torch
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    names = ("compile=True", 'compile="regional"')
+    steppers = {name: _stepper(name, blocks, dim, device)[0] for name in names}
+    for step in steppers.values():
+        for _ in range(4):
+            step()
+    clock, ratios = _clock(device), []
+    for i in range(rounds):
+        seconds = {}
+        for name in names if i % 2 == 0 else names[::-1]:
+            start = clock()
+            for _ in range(steps):
+                steppers[name]()
+            seconds[name] = clock() - start
+        ratios.append(seconds[names[1]] / seconds[names[0]])
+    return {"median": statistics.median(ratios), "interval": median_interval(ratios), "rounds": rounds}
+
+
+def _in_child(args: list[str], compile_threads: str, what: str) -> dict[str, Any]:
+    """This script run with ``args`` in a fresh process with its own empty inductor cache; the JSON
+    it prints last. ``compile_threads``: ``TORCHINDUCTOR_COMPILE_THREADS``, or ``"default"`` for
+    inductor's own choice (one compile worker per core, at most 32)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": compile_threads}
+        if compile_threads == "default":
+            del env["TORCHINDUCTOR_COMPILE_THREADS"]
+        out = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"{what} failed with exit code {out.returncode}:\n{out.stderr[-3000:]}")
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def run(
@@ -139,19 +197,17 @@ def run(
     device: str = "cpu",
     warm_start: bool = False,
 ) -> dict[str, Any]:
-    """One contender in a fresh process with its own empty inductor cache; ``compile_threads``:
-    ``TORCHINDUCTOR_COMPILE_THREADS``, or ``"default"`` for inductor's own choice (one compile
-    worker per core, at most 32)."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": compile_threads}
-        if compile_threads == "default":
-            del env["TORCHINDUCTOR_COMPILE_THREADS"]
-        cmd = [sys.executable, __file__, "--one", name, "--blocks", str(blocks), "--dim", str(dim), "--device", device]
-        cmd += ["--steps", str(steps), *(["--warm-start"] if warm_start else [])]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if out.returncode:
-            raise SystemExit(f"{name} ({blocks} blocks) failed with exit code {out.returncode}:\n{out.stderr[-3000:]}")
-        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    """One contender (:func:`one`) in a fresh process."""
+    args = ["--one", name, "--blocks", str(blocks), "--dim", str(dim), "--device", device, "--steps", str(steps)]
+    return _in_child(args + (["--warm-start"] if warm_start else []), compile_threads, f"{name} ({blocks} blocks)")
+
+
+def run_paired_steady(
+    blocks: int, dim: int, rounds: int, steps: int, compile_threads: str, device: str
+) -> dict[str, Any]:
+    """:func:`paired_steady` in a fresh process."""
+    args = ["--paired", "--paired-steady", str(rounds), "--blocks", str(blocks), "--dim", str(dim)]
+    return _in_child([*args, "--steps", str(steps), "--device", device], compile_threads, "the paired steady run")
 
 
 def print_table(results: dict[str, dict[str, Any]], markdown: bool, device: str = "cpu") -> None:
@@ -196,9 +252,21 @@ def main() -> None:
         help="each process first compiles a tiny unrelated function (inductor's one-time start), "
         "so that the first step times only what compiling this model adds",
     )
+    parser.add_argument(
+        "--paired-steady",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="also time the steady step of regional against whole-model compilation in one process, "
+        "taking turns for ROUNDS rounds of --steps steps (a ratio with a 95%% interval)",
+    )
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--paired", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--one", choices=list(CONTENDERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.paired:
+        print(json.dumps(paired_steady(args.blocks[0], args.dim, args.paired_steady, args.steps, args.device)))
+        return
     if args.one:
         print(json.dumps(one(args.one, args.blocks[0], args.dim, args.steps, args.device, args.warm_start)))
         return
@@ -227,6 +295,13 @@ def main() -> None:
             f"{regional['first_cpu'] / whole['first_cpu']:.2f}x CPU (target <= 0.33x); "
             f"steady step {regional['step'] / whole['step']:.2f}x (target <= 1.00x)"
         )
+        if args.paired_steady:
+            paired = run_paired_steady(blocks, args.dim, args.paired_steady, args.steps, threads, args.device)
+            low, high = paired["interval"] or (math.nan, math.nan)
+            print(
+                f"steady step regional / whole, both in one process taking turns ({paired['rounds']} rounds of "
+                f"{args.steps} steps): {paired['median']:.3f}x (95% interval {low:.3f}-{high:.3f})"
+            )
 
 
 if __name__ == "__main__":
