@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import median_interval
+from _common import median_interval, print_table
 
 CONTENDERS = {"eager": None, "compile=True": True, 'compile="regional"': "regional"}
 
@@ -68,6 +68,8 @@ def _stepper(name: str, blocks: int, dim: int, device: str) -> tuple[Callable[[]
 
     import torchrig
 
+    if device == "cpu":
+        torch.set_num_threads(1)
     heads, seq, batch, vocab = 4, 64, 8, 512
 
     class Block(nn.Module):
@@ -122,10 +124,6 @@ def _clock(device: str) -> Callable[[], float]:
 
 def one(name: str, blocks: int, dim: int, steps: int, device: str = "cpu", warm_start: bool = False) -> dict[str, Any]:
     """Run one contender here; its timings (seconds)."""
-    import torch
-
-    if device == "cpu":
-        torch.set_num_threads(1)
     step, params = _stepper(name, blocks, dim, device)
     clock = _clock(device)
     if warm_start:
@@ -153,10 +151,6 @@ def paired_steady(blocks: int, dim: int, rounds: int, steps: int, device: str) -
     """Steady step time of regional against whole-model compilation in one process: both are
     built and warmed up, then take turns, ``rounds`` rounds of ``steps`` steps each (which goes
     first alternates); the per-round ratios regional / whole, their median and 95% interval."""
-    import torch
-
-    if device == "cpu":
-        torch.set_num_threads(1)
     names = ("compile=True", 'compile="regional"')
     steppers = {name: _stepper(name, blocks, dim, device)[0] for name in names}
     for step in steppers.values():
@@ -210,21 +204,11 @@ def run_paired_steady(
     return _in_child([*args, "--steps", str(steps), "--device", device], compile_threads, "the paired steady run")
 
 
-def print_table(results: dict[str, dict[str, Any]], markdown: bool, device: str = "cpu") -> None:
-    steady = "steady step CPU (ms)" if device == "cpu" else "steady step wall (ms)"
-    head = ["contender", "first step wall (s)", "first step CPU (s)", steady, "first loss"]
-    rows = [
+def table_rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
+    return [
         [name, f"{r['first_wall']:.1f}", f"{r['first_cpu']:.1f}", f"{r['step'] * 1e3:.1f}", f"{r['loss']:.5f}"]
         for name, r in results.items()
     ]
-    if markdown:
-        print(f"| {' | '.join(head)} |\n|{'---|' * len(head)}")
-        for row in rows:
-            print(f"| {' | '.join(row)} |")
-    else:
-        widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
-        for row in [head, *rows]:
-            print(" ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)))
 
 
 def main() -> None:
@@ -283,12 +267,15 @@ def main() -> None:
         if args.floor:
             results["compile=True, 1 block"] = run("compile=True", 1, args.dim, args.steps, *options)
         params = results["eager"]["params"]
-        print(
-            f"\n{blocks}-block transformer (dim {args.dim}, {params / 1e6:.1f}M parameters), {where}, "
+        title = (
+            f"{blocks}-block transformer (dim {args.dim}, {params / 1e6:.1f}M parameters), {where}, "
             f"torch {torch.__version__}, cold inductor cache, compile threads: {args.compile_threads}"
             + ("; inductor started before the first step (--warm-start)" if args.warm_start else "")
         )
-        print_table(results, args.markdown, args.device)
+        steady = "steady step CPU (ms)" if args.device == "cpu" else "steady step wall (ms)"
+        head = ["contender", "first step wall (s)", "first step CPU (s)", steady, "first loss"]
+        print()
+        print_table(title, head, table_rows(results), markdown=args.markdown)
         whole, regional = results["compile=True"], results['compile="regional"']
         print(
             f"regional / whole: first step {regional['first_wall'] / whole['first_wall']:.2f}x wall, "

@@ -65,19 +65,24 @@ class RigModule(nn.Module):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._rig_run(self._rig_forward, args, kwargs)
+
+    def _rig_run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` under the precision: input casts, autocast, output casts; a
+        device or dtype mismatch re-raised as :class:`DeviceMismatchError`."""
         precision = self._rig_precision
         if self._rig_converts:
             args, kwargs = precision.convert_input((args, kwargs))
         converts_output = self._rig_converts_output
         try:
             if self._rig_autocast is None:
-                out = self._rig_forward(*args, **kwargs)
+                out = fn(*args, **kwargs)
             else:
                 # Called under autocast already (``rig.autocast()``): the loss that follows runs
                 # under it too, as in a hand-written loop, so half outputs stay half.
                 converts_output = converts_output and not torch.is_autocast_enabled(self._rig_device_type)
                 with self._rig_autocast():
-                    out = self._rig_forward(*args, **kwargs)
+                    out = fn(*args, **kwargs)
         except RuntimeError as err:
             self._rig_reraise(err, args, kwargs)
         return precision.convert_output(out) if converts_output else out
@@ -121,25 +126,8 @@ class RigModule(nn.Module):
         autocast, output casts) but *not* as the wrapped module's forward: the strategy's wrapper
         sees only the calls made inside it (``self(x)``, a submodule's call), each as a forward of
         its own. A device or dtype mismatch is re-raised as in ``forward``."""
-        precision, reraise, device_type = self._rig_precision, self._rig_reraise, self._rig_device_type
-        autocast, converts, converts_output = self._rig_autocast, self._rig_converts, self._rig_converts_output
-
-        def call(*args: Any) -> Any:
-            if converts:
-                args = precision.convert_input(args)
-            convert = converts_output
-            try:
-                if autocast is None:
-                    out = method(*args)
-                else:
-                    convert = convert and not torch.is_autocast_enabled(device_type)  # as in forward
-                    with autocast():
-                        out = method(*args)
-            except RuntimeError as err:
-                reraise(err, args, {})
-            return precision.convert_output(out) if convert else out
-
-        return call
+        run = self._rig_run
+        return lambda *args: run(method, args, {})
 
     def _call_swapped(self, method: Callable[..., Any], *args: Any) -> Any:
         """``method(*args)`` run as the module's ``forward``, through the wrapper's ``__call__``."""
