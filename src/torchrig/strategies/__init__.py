@@ -10,6 +10,7 @@ from torchrig.strategies.model_parallel import ModelParallelStrategy
 from torchrig.strategies.parallel import ParallelStrategy
 from torchrig.strategies.registry import STRATEGY_REGISTRY
 from torchrig.strategies.single import SingleDeviceStrategy
+from torchrig.strategies.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 STRATEGY_REGISTRY.register_builtin("single", SingleDeviceStrategy, description="One process on one device")
 STRATEGY_REGISTRY.register_builtin(
@@ -47,5 +48,7 @@ __all__ = [
     "ParallelStrategy",
     "SingleDeviceStrategy",
     "Strategy",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
     "detect_environment",
 ]

@@ -128,6 +128,7 @@ class Run(RunState):
         tr = self.trainer
         state = tr.fit_state
         self.check_manual_optimization()
+        self.stop_held = False
         if not self.resumed and tr.num_sanity_val_steps != 0 and self.has_validation():
             limit = math.inf if tr.num_sanity_val_steps == -1 else tr.num_sanity_val_steps
             self.evaluate("sanity_check", limit_override=limit)
@@ -146,12 +147,28 @@ class Run(RunState):
                     stop_at_step(found)
                 self.train_epoch()
                 state.epoch, state.batch_idx, state.epoch_finished = state.epoch + 1, 0, False
-                if tr.should_stop:
+                if tr.should_stop and self.may_stop(state.epoch):
                     break
         finally:  # also when the fit stops on an error or a signal: the profiler reports what it saw
             if profiler is not None:
                 profiler.stop(tr)
         self.call_module("on_train_end")
+
+    def may_stop(self, epochs_done: int) -> bool:
+        """Whether the fit may end now that a stop was asked for (``should_stop``), ``epochs_done``
+        epochs complete: not before ``min_epochs`` and ``min_steps``. A stop that is held is
+        forgotten (``should_stop`` goes back to False; whoever asked may ask again) and said once."""
+        tr = self.trainer
+        if epochs_done >= tr.min_epochs and tr.fit_state.global_step >= tr.min_steps:
+            return True
+        tr.should_stop = False
+        if not self.stop_held:
+            self.stop_held = True
+            tr.rig.print(
+                f"torchrig: a stop was asked for after {epochs_done} epochs and {tr.fit_state.global_step} steps; "
+                f"the fit goes on to min_epochs={tr.min_epochs} and min_steps={tr.min_steps}"
+            )
+        return False
 
     def fit_done(self) -> bool:
         tr = self.trainer
@@ -170,7 +187,7 @@ class Run(RunState):
             self.call_callbacks("on_train_epoch_start")
         elif state.val_pending:  # resumed right after a batch whose validation did not run yet
             self.validate_in_fit()
-        if state.batch_idx < n and not tr.should_stop:
+        if state.batch_idx < n and not (tr.should_stop and self.may_stop(state.epoch)):
             if state.batch_idx == 0:
                 loader.set_epoch(state.epoch)  # a resumed mid-epoch loader already knows where it is
             # Starting the epoch's iterator (workers, a sampler's shuffle) is data loading too.
@@ -241,7 +258,8 @@ class Run(RunState):
             if not stop:
                 stop = poll()  # collective: the same batches on every rank
             # Inside an epoch only max_steps (of fit_done's limits), a stop or a stop signal can end the fit.
-            final = is_last or tr.should_stop or stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
+            halt = tr.should_stop and self.may_stop(state.epoch + is_last)
+            final = is_last or halt or stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
             if sparse and (final or clock() >= due):  # after this batch's validation, if any
                 for hook in sparse:
                     hook(tr, module, output, batch, batch_idx)
@@ -446,7 +464,7 @@ class Run(RunState):
             prepared.module.eval()
             self.call_callbacks("on_eval_start", stage)
             try:
-                with torch.no_grad():
+                with self.eval_context():
                     for idx, loader in enumerate(loaders):
                         n = num_batches(loader, self.eval_limit(stage)) if limit_override is None else limit_override
                         if len(loaders) > 1:  # each loader's values kept apart: name/dataloader_idx_N
@@ -499,7 +517,7 @@ class Run(RunState):
         prepared.module.eval()
         self.call_callbacks("on_eval_start", "predict")
         results: list[Any] = []
-        with torch.no_grad():
+        with self.eval_context():
             for loader in loaders:
                 n = num_batches(loader, tr.limit_predict_batches)
                 outputs: list[Any] = []

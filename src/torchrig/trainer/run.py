@@ -67,6 +67,7 @@ class RunState:
         self.started_at = time.monotonic()
         self.sparse_due = 0.0  # when the sparse batch-end hooks are next called (perf_counter)
         self.skip_backward_sync = False  # inside TrainingModule.no_backward_sync (manual optimization)
+        self.stop_held = False  # a stop was held back for min_epochs/min_steps this fit (said once)
         self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
         self._sparse_cache: tuple[list[Callable[..., Any]], float] | None = None
 
@@ -156,6 +157,16 @@ class RunState:
         if math.isinf(n):
             raise ValueError("val_check_interval as a fraction needs a dataloader with a length; give an int")
         return max(1, int(n * interval))
+
+    def eval_context(self) -> contextlib.AbstractContextManager[Any]:
+        """What validation, test and predict run under: ``torch.inference_mode()`` when
+        ``Trainer(inference_mode=True)``, except under strategies that shard the module (FSDP2's
+        and tensor parallel's parameters are re-made around each forward, which inference tensors
+        cannot take part in), else ``torch.no_grad()``."""
+        tr = self.trainer
+        if tr.inference_mode and not tr.rig.strategy.sharded:
+            return torch.inference_mode()
+        return torch.no_grad()
 
     def time_is_up(self) -> bool:
         tr = self.trainer

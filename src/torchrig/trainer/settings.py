@@ -4,6 +4,8 @@ the callbacks and loggers it builds from ``callbacks``/``logger`` and the ``enab
 from __future__ import annotations
 
 import datetime
+import difflib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +75,63 @@ def loggers(given: Any, root: Path) -> list[Logger]:
     if given is False or given is None:
         return []
     return arguments.instances("logger", given, Logger, "a torchrig Logger, a list of them, True or False")
+
+
+#: Lightning Trainer arguments torchrig does not take, and what to use instead.
+LIGHTNING_ONLY: dict[str, tuple[Any, str]] = {
+    "plugins": (
+        None,
+        "torchrig has no plugin objects: give precision= (a name or a torchrig.Precision), strategy= (a name or "
+        "a Strategy object such as DDPStrategy(...)) or accelerator= (a name or a torchrig.Accelerator); the "
+        "cluster environment is detected from the launcher",
+    ),
+    "barebones": (
+        False,
+        "torchrig's loops cost nothing for features that are off: switch those off one by one with "
+        "enable_progress_bar=False, enable_checkpointing=False, logger=False, enable_model_summary=False",
+    ),
+    "model_registry": (
+        None,
+        "torchrig uploads nothing: save with a ModelCheckpoint or trainer.save_checkpoint(path) and push "
+        "the checkpoint directory to your registry",
+    ),
+}
+
+
+def refuse_lightning_only(given: dict[str, Any]) -> None:
+    """Refuse the Lightning-only arguments in ``given`` (left at Lightning's default they change
+    nothing and pass) and any other unexpected keyword, naming the nearest Trainer argument."""
+    from torchrig.trainer.trainer import Trainer
+
+    for name, value in given.items():
+        known = LIGHTNING_ONLY.get(name)
+        if known is not None:
+            default, instead = known
+            if value is default or value == default:
+                continue
+            raise ValueError(
+                f"Trainer({name}={arguments.shown(value)}) is a Lightning argument torchrig does not take: {instead}"
+            )
+        names = [p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self", "lightning_only")]
+        near = difflib.get_close_matches(name, names, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}{hint}")
+
+
+def flag(name: str, value: Any, *, none_ok: bool = False) -> Any:
+    """``value`` when it is True or False (or None where ``none_ok``); else a ValueError."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return value
+    allowed = "True, False or None" if none_ok else "True or False"
+    raise ValueError(f"{name}={arguments.shown(value)} must be {allowed}")
+
+
+def minimums(min_epochs: Any, min_steps: Any, max_epochs: int, max_steps: int) -> tuple[int, int]:
+    """``(min_epochs, min_steps)`` as ints (None: 0), checked against the maximums."""
+    epochs = 0 if min_epochs is None else arguments.int_in_range("min_epochs", min_epochs, 0)
+    steps = 0 if min_steps is None else arguments.int_in_range("min_steps", min_steps, 0)
+    if max_epochs != -1 and epochs > max_epochs:
+        raise ValueError(f"min_epochs={epochs} is more than max_epochs={max_epochs}; the fit could not reach it")
+    if max_steps != -1 and steps > max_steps:
+        raise ValueError(f"min_steps={steps} is more than max_steps={max_steps}; the fit could not reach it")
+    return epochs, steps

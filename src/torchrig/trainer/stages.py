@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from torchrig.data import RigDataLoader
 from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, requeue_slurm_job, restart_count
+from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
 from torchrig.trainer import debugging, loops
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
 from torchrig.trainer.module import TrainingModule, parse_optimizers
@@ -68,7 +69,7 @@ def run_fit_stage(
         elif ckpt_path is not None:
             _resume(tr, ckpt_path)
         hparams = getattr(module, "hparams", None)
-        if hparams:
+        if hparams and tr.enable_autolog_hparams:
             for lg in tr.loggers:
                 lg.log_hyperparams(dict(hparams))
         if tr.enable_model_summary and tr.is_global_zero:  # after a resume's message, as prepared for the run
@@ -203,6 +204,10 @@ def begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
         if tr.deterministic and tr.rig.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
         torch.use_deterministic_algorithms(bool(tr.deterministic), warn_only=tr.deterministic == "warn")
+    if tr.benchmark is not None:
+        torch.backends.cudnn.benchmark = tr.benchmark
+    elif tr.deterministic is True:
+        torch.backends.cudnn.benchmark = False  # autotuning picks algorithms by timing: not deterministic
 
 
 def setup(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
@@ -286,6 +291,8 @@ def _warn_if_steps_are_not_logged(tr: Trainer) -> None:
 # -- preparing ----------------------------------------------------------------------------------
 def prepare_module(tr: Trainer, module: TrainingModule) -> RigModule:
     if tr.run.prepared_module is None or tr.run.prepared_module.module is not module:
+        if tr.sync_batchnorm and tr.rig.world_size > 1:
+            convert_sync_batchnorm(module, tr.rig.strategy, tr.rig.device.type)
         tr.run.prepared_module = tr.rig.prepare(module)
     return tr.run.prepared_module
 

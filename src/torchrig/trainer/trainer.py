@@ -85,6 +85,19 @@ class Trainer:
             :class:`~torchrig.trainer.profiler.Profiler` object such as ``PyTorchProfiler(active=5)``.
         enable_model_summary: print a table of the module's top-level layers (types, trainable
             and frozen parameters, size in the run's precision) when a fit starts, on global rank zero.
+        min_epochs: the fit runs at least this many epochs: a stop asked for earlier (``should_stop``
+            from :class:`EarlyStopping`, ``max_time`` or a callback) is held until then. None: no minimum.
+        min_steps: the same in optimizer steps.
+        benchmark: ``torch.backends.cudnn.benchmark`` for the run (cuDNN tries the algorithms for each
+            input shape and keeps the fastest). None: as it is set, or False when ``deterministic=True``.
+        inference_mode: run validation, test and predict under ``torch.inference_mode()`` (True,
+            the default) or ``torch.no_grad()`` (False: tensors made there may later take part in
+            autograd). Under FSDP and model parallel strategies always ``no_grad``.
+        sync_batchnorm: with several processes, turn the module's BatchNorm layers into SyncBatchNorm,
+            so their batch statistics are those of the global batch (what one process with the
+            whole batch computes), see :func:`torchrig.strategies.convert_sync_batchnorm`.
+        enable_autolog_hparams: send the module's ``hparams`` (``save_hyperparameters``) to the
+            loggers when a fit starts.
 
     Example:
         >>> # trainer = Trainer(accelerator="auto", devices=1, max_epochs=3)
@@ -132,7 +145,15 @@ class Trainer:
         detect_anomaly: bool = False,
         profiler: Profiler | str | None = None,
         enable_model_summary: bool = True,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
+        benchmark: bool | None = None,
+        inference_mode: bool = True,
+        sync_batchnorm: bool = False,
+        enable_autolog_hparams: bool = True,
+        **lightning_only: Any,
     ) -> None:
+        settings.refuse_lightning_only(lightning_only)
         self.max_steps = arguments.int_in_range("max_steps", max_steps, -1)
         default_epochs = -1 if max_steps != -1 else 1000
         self.max_epochs = default_epochs if max_epochs is None else arguments.int_in_range("max_epochs", max_epochs, -1)
@@ -166,6 +187,11 @@ class Trainer:
         if not isinstance(enable_model_summary, bool):
             raise ValueError(f"enable_model_summary={enable_model_summary!r} must be True or False")
         self.enable_model_summary = enable_model_summary
+        self.min_epochs, self.min_steps = settings.minimums(min_epochs, min_steps, self.max_epochs, self.max_steps)
+        self.benchmark = settings.flag("benchmark", benchmark, none_ok=True)
+        self.inference_mode = settings.flag("inference_mode", inference_mode)
+        self.sync_batchnorm = settings.flag("sync_batchnorm", sync_batchnorm)
+        self.enable_autolog_hparams = settings.flag("enable_autolog_hparams", enable_autolog_hparams)
         root = os.getcwd() if default_root_dir is None else arguments.path("default_root_dir", default_root_dir)
         self.default_root_dir = Path(root)
         self.rig = Rig(
