@@ -38,12 +38,24 @@ from torchrig.trainer import (
     Trainer,
     TrainingModule,
 )
+from torchrig.trainer.accumulation import GradientAccumulationScheduler
 from torchrig.trainer.ema import EMA
+from torchrig.trainer.lambda_callback import LambdaCallback
+from torchrig.trainer.lightning_names import (
+    EMAWeightAveraging,
+    ModelSummary,
+    OnExceptionCheckpoint,
+    RichModelSummary,
+    RichProgressBar,
+    TQDMProgressBar,
+)
 from torchrig.trainer.loggers import CSVLogger, TensorBoardLogger  # tensorboard itself loads on first use
 from torchrig.trainer.loggers_mlflow import MLflowLogger  # mlflow itself loads when one is made
 from torchrig.trainer.loggers_wandb import WandbLogger  # wandb itself loads when one is made
+from torchrig.trainer.prediction_writer import BasePredictionWriter
 from torchrig.trainer.profiler import Profiler, PyTorchProfiler, SimpleProfiler
 from torchrig.trainer.progress import ProgressBar
+from torchrig.trainer.timer import Timer
 
 __version__ = "0.1.0"
 
@@ -64,6 +76,7 @@ __all__ = [
     "PRECISIONS",
     "STRATEGY_REGISTRY",
     "Accelerator",
+    "BasePredictionWriter",
     "CPUAccelerator",
     "CSVLogger",
     "Callback",
@@ -72,25 +85,34 @@ __all__ = [
     "DataModule",
     "DeviceMismatchError",
     "DeviceStatsMonitor",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "FP8Mixed",
     "FSDPStrategy",
+    "GradientAccumulationScheduler",
+    "LambdaCallback",
     "LearningRateMonitor",
     "MLflowLogger",
     "ModelCheckpoint",
     "ModelParallelStrategy",
+    "ModelSummary",
+    "OnExceptionCheckpoint",
     "Plan",
     "Precision",
     "Preempted",
     "Profiler",
     "ProgressBar",
     "PyTorchProfiler",
+    "RichModelSummary",
+    "RichProgressBar",
     "Rig",
     "SimpleProfiler",
     "SingleDeviceStrategy",
     "Strategy",
+    "TQDMProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",
+    "Timer",
     "TorchDeviceAccelerator",
     "Trainer",
     "TrainingModule",

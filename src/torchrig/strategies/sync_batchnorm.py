@@ -100,9 +100,7 @@ def convert_sync_batchnorm(module: nn.Module, strategy: Any = None, device_type:
 
 def _to_own(module: nn.Module) -> nn.Module:
     if isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, SyncBatchNorm)):
-        new = SyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
-        )
+        new = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
         if module.affine:
             new.weight, new.bias = module.weight, module.bias
         new.running_mean, new.running_var = module.running_mean, module.running_var

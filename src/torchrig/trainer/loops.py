@@ -504,8 +504,10 @@ class Run(RunState):
             if batch_idx + 1 >= n:
                 break
 
-    def predict(self) -> list[Any]:
-        """Predictions per batch, in dataset order, gathered from every process.
+    def predict(self) -> list[Any] | None:
+        """Predictions per batch, in dataset order, gathered from every process (None when
+        ``trainer.predict(return_predictions=False)``: each process keeps its own, for a
+        :class:`~torchrig.BasePredictionWriter` to write, and nothing is gathered).
 
         On ``W`` processes each returned batch holds the ``W`` per-process batches of one step,
         interleaved back into dataset order (:meth:`torchrig.Rig.gather_for_metrics`).
@@ -517,21 +519,41 @@ class Run(RunState):
         prepared.module.eval()
         self.call_callbacks("on_eval_start", "predict")
         results: list[Any] = []
+        keep, track = self.return_predictions, self.track_batch_indices()
         with self.eval_context():
-            for loader in loaders:
+            for idx, loader in enumerate(loaders):
                 n = num_batches(loader, tr.limit_predict_batches)
                 outputs: list[Any] = []
                 predict_step = prepared.step_caller(prepared.module.predict_step)
+                indices = batch_indices(loader) if track else None
+                self.predict_dataloader_idx = idx
                 for batch_idx, batch in enumerate(loader):
                     if batch_idx >= n:
                         break
                     out = predict_step(batch, batch_idx)
+                    if indices is not None:
+                        self.predict_batch_indices = indices[batch_idx] if batch_idx < len(indices) else []
                     self.call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
-                    # In dataset order, each sample once (the sampler's padding dropped); free in one process.
-                    outputs.append(tr.rig.gather_for_metrics(out))
+                    if keep:  # in dataset order, each sample once (the sampler's padding dropped)
+                        outputs.append(tr.rig.gather_for_metrics(out))
                 results.append(outputs)
         self.call_callbacks("on_eval_end", "predict")
+        if not keep:
+            return None
         return results[0] if len(results) == 1 else results
+
+
+def batch_indices(loader: Any) -> list[list[int]] | None:
+    """The dataset indices of each batch this process's ``loader`` yields (for prediction
+    writers), read from its batch sampler; None for a loader without one (an iterable dataset)."""
+    inner = getattr(loader, "loader", loader)
+    sampler = getattr(inner, "batch_sampler", None)
+    if sampler is None:
+        return None
+    epoch = getattr(loader, "epoch", None)  # the epoch the next iter() runs: the same order
+    if epoch is not None and hasattr(inner.sampler, "set_epoch"):
+        inner.sampler.set_epoch(epoch + 1)
+    return [list(batch) for batch in sampler]
 
 
 def stop_at_step(signum: int) -> NoReturn:

@@ -68,6 +68,11 @@ class RunState:
         self.sparse_due = 0.0  # when the sparse batch-end hooks are next called (perf_counter)
         self.skip_backward_sync = False  # inside TrainingModule.no_backward_sync (manual optimization)
         self.stop_held = False  # a stop was held back for min_epochs/min_steps this fit (said once)
+        #: predict: gather and return the predictions (``trainer.predict(return_predictions=...)``)
+        self.return_predictions = True
+        #: predict: the loader being predicted and the dataset indices of its current batch (this process's)
+        self.predict_dataloader_idx = 0
+        self.predict_batch_indices: list[int] = []
         self._hook_cache: dict[str, list[Callable[..., Any]]] = {}
         self._sparse_cache: tuple[list[Callable[..., Any]], float] | None = None
 
@@ -157,6 +162,12 @@ class RunState:
         if math.isinf(n):
             raise ValueError("val_check_interval as a fraction needs a dataloader with a length; give an int")
         return max(1, int(n * interval))
+
+    def track_batch_indices(self) -> bool:
+        """Whether predict records each batch's dataset indices: a prediction writer reads them."""
+        from torchrig.trainer.prediction_writer import BasePredictionWriter
+
+        return any(isinstance(cb, BasePredictionWriter) for cb in self.trainer.callbacks)
 
     def eval_context(self) -> contextlib.AbstractContextManager[Any]:
         """What validation, test and predict run under: ``torch.inference_mode()`` when

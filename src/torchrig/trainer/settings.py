@@ -36,20 +36,20 @@ def batch_limit(name: str, value: Any, allow_zero: bool = True) -> int | float:
 _TIME_FORMS = ": give seconds (> 0), a datetime.timedelta, or 'DD:HH:MM:SS'"
 
 
-def parse_time(value: Any) -> float | None:
+def parse_time(value: Any, name: str = "max_time") -> float | None:
     if value is None:
         return None
     if isinstance(value, datetime.timedelta):
         return value.total_seconds()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return arguments.finite_at_least("max_time", value, 0.0, strict=True, hint=_TIME_FORMS)
+        return arguments.finite_at_least(name, value, 0.0, strict=True, hint=_TIME_FORMS)
     if isinstance(value, str):
         parts = value.split(":")
         # ASCII digits only ('²'.isdigit() is True, int('²') fails), and few enough for a float
         if len(parts) == 4 and all(p.isascii() and p.isdigit() and len(p) <= 12 for p in parts):
             d, h, m, s = (int(p) for p in parts)
             return float(((d * 24 + h) * 60 + m) * 60 + s)
-    raise ValueError(f"max_time={arguments.shown(value)}{_TIME_FORMS}")
+    raise ValueError(f"{name}={arguments.shown(value)}{_TIME_FORMS}")
 
 
 def callbacks(given: Any, checkpointing: bool, progress_bar: bool) -> list[Callback]:
@@ -67,6 +67,17 @@ def callbacks(given: Any, checkpointing: bool, progress_bar: bool) -> list[Callb
     return [c for c in found if not isinstance(c, ModelCheckpoint)] + [
         c for c in found if isinstance(c, ModelCheckpoint)
     ]
+
+
+def summary_depth(trainer: Any) -> int:
+    """How many levels of submodules the fit's model summary shows (0: none): a
+    ``ModelSummary`` callback's ``max_depth``, else 1 with ``enable_model_summary``."""
+    from torchrig.trainer.lightning_names import ModelSummary
+
+    found = next((c for c in trainer.callbacks if isinstance(c, ModelSummary)), None)
+    if found is not None:
+        return int(found.max_depth)
+    return 1 if trainer.enable_model_summary else 0
 
 
 def loggers(given: Any, root: Path) -> list[Logger]:

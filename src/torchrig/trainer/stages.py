@@ -20,7 +20,7 @@ from torchrig.data import RigDataLoader
 from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, requeue_slurm_job, restart_count
 from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
-from torchrig.trainer import debugging, loops
+from torchrig.trainer import debugging, loops, settings
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
 from torchrig.trainer.module import TrainingModule, parse_optimizers
 from torchrig.trainer.summary import summary_table
@@ -72,8 +72,9 @@ def run_fit_stage(
         if hparams and tr.enable_autolog_hparams:
             for lg in tr.loggers:
                 lg.log_hyperparams(dict(hparams))
-        if tr.enable_model_summary and tr.is_global_zero:  # after a resume's message, as prepared for the run
-            tr.rig.print(summary_table(module, tr.rig.precision.name), end="")
+        depth = settings.summary_depth(tr)
+        if depth and tr.is_global_zero:  # after a resume's message, as prepared for the run
+            tr.rig.print(summary_table(module, tr.rig.precision.name, depth), end="")
         tr.run.call_callbacks("on_fit_start")
         # Installed until the fit ends, or until the save of a stop is done (in _on_error).
         tr.run.signals = SignalWatch(tr.rig.strategy, tr.stop_signals).install()

@@ -51,11 +51,14 @@ def _count(params: Iterable[nn.Parameter]) -> tuple[int, int, int]:
     return trainable, frozen, size
 
 
-def summarize(module: nn.Module) -> tuple[list[LayerSummary], LayerSummary]:
-    """The rows (top-level submodules, then the module's own parameters if any) and the total."""
+def summarize(module: nn.Module, max_depth: int = 1) -> tuple[list[LayerSummary], LayerSummary]:
+    """The rows (submodules down to ``max_depth`` levels, ``-1``: all, in definition order; then
+    the module's own parameters if any) and the total."""
     rows = []
-    for name, child in module.named_children():
-        rows.append(LayerSummary(name, type_name(child), *_count(child.parameters())))
+    for name, child in module.named_modules():
+        depth = name.count(".") + 1
+        if name and (max_depth == -1 or depth <= max_depth):
+            rows.append(LayerSummary(name, type_name(child), *_count(child.parameters())))
     own = list(module.parameters(recurse=False))
     if own:
         rows.append(LayerSummary("(own parameters)", type_name(module), *_count(own)))
@@ -86,13 +89,14 @@ def format_bytes(size: int) -> str:
     raise AssertionError("unreachable")
 
 
-def summary_table(module: nn.Module, precision: str | None = None) -> str:
-    """The summary of ``module`` as text (a rich table), ``precision`` named in the title."""
+def summary_table(module: nn.Module, precision: str | None = None, max_depth: int = 1) -> str:
+    """The summary of ``module`` as text (a rich table), ``precision`` named in the title; rows
+    down to ``max_depth`` levels of submodules (:func:`summarize`)."""
     from rich.table import Table
 
     from torchrig.trainer.profiler import rendered
 
-    rows, total = summarize(module)
+    rows, total = summarize(module, max_depth)
     where = f" in {precision}" if precision else ""
     table = Table(title=f"Model summary: {type_name(module)}{where}")
     for column in ("", "name", "type", "trainable", "frozen", "size"):

@@ -205,6 +205,10 @@ class Trainer:
             activation_checkpointing=activation_checkpointing,
         )
         self.callbacks = settings.callbacks(callbacks, enable_checkpointing, enable_progress_bar)
+        if not enable_model_summary and settings.summary_depth(self) != 0:
+            raise ValueError(
+                "enable_model_summary=False, but a ModelSummary is in callbacks; drop one of the two"
+            )
         self.loggers = settings.loggers(logger, self.default_root_dir)
         overfit = settings.batch_limit("overfit_batches", overfit_batches)
         self.fast_dev_run, self.overfit_batches, self.detect_anomaly = debugging.configure(
@@ -358,8 +362,14 @@ class Trainer:
         dataloaders: DataLoader[Any] | list[DataLoader[Any]] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
-    ) -> list[Any]:
-        """``predict_step`` outputs per batch, gathered from every process in dataset order."""
+        return_predictions: bool = True,
+    ) -> list[Any] | None:
+        """``predict_step`` outputs per batch, gathered from every process in dataset order.
+
+        ``return_predictions=False``: gather nothing and return None (each process keeps its own
+        outputs, for a :class:`~torchrig.BasePredictionWriter` to write where they are).
+        """
+        self.run.return_predictions = settings.flag("return_predictions", return_predictions)
         return self._evaluate("predict", module, dataloaders, datamodule, ckpt_path)
 
     def _evaluate(self, stage: str, module: Any, dataloaders: Any, datamodule: Any, ckpt_path: Any) -> Any:
