@@ -140,3 +140,21 @@ def test_every_rig_trainer_and_torchrig_name_in_the_tables_exists() -> None:
     events = next(row for row in table_rows() if row.startswith("| `Callback` |"))
     for name in re.findall(r"`(\w+)`", events.split(" | ")[2]):
         assert callable(getattr(Callback, name, None)), name
+
+
+def test_every_lightning_trainer_argument_and_callback_has_a_row() -> None:
+    lightning = pytest.importorskip("lightning.pytorch")
+    import inspect
+
+    import lightning.pytorch.callbacks as lightning_callbacks
+
+    table = DOC[DOC.index("### Every Trainer argument and callback") : DOC.index("### Fabric")]
+    arguments = [p for p in inspect.signature(lightning.Trainer.__init__).parameters if p != "self"]
+    callbacks = [
+        name
+        for name in dir(lightning_callbacks)
+        if isinstance(getattr(lightning_callbacks, name), type)
+        and issubclass(getattr(lightning_callbacks, name), lightning_callbacks.Callback)
+    ]
+    missing = [n for n in arguments + callbacks if f"`{n}`" not in table and f"`{n}(" not in table]
+    assert not missing, f"docs/migrating.md lacks rows for {missing}"
