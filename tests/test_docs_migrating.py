@@ -131,9 +131,12 @@ def test_every_rig_trainer_and_torchrig_name_in_the_tables_exists() -> None:
     same = next(row for row in table_rows() if row.startswith("| `lightning.pytorch.Trainer(...)`"))
     for name in re.findall(r"`(\w+)`", same.split(" | ")[2]):
         assert name in args or name in ("_val_", "_test_", "_predict_"), name
-    missing = next(row for row in table_rows() if row.startswith("| `Trainer(min_epochs="))
-    for name in re.findall(r"(\w+)=", missing.split(" | ")[0]):
-        assert name not in args, f"the guide says Trainer has no {name}=, but it has"
+    more = next(row for row in table_rows() if row.startswith("| `Trainer(min_epochs="))
+    for name in re.findall(r"(\w+)=", more.split(" | ")[0]):
+        assert name in args, f"the guide says Trainer has {name}=, but it has not"
+    refused = next(row for row in table_rows() if row.startswith("| `plugins`, `barebones`"))
+    for name in re.findall(r"`(\w+)`", refused.split(" | ")[0]):
+        assert name not in args, f"the guide says Trainer refuses {name}=, but it takes it"
     hooks = next(row for row in table_rows() if row.startswith("| hooks `setup`"))
     for name in re.findall(r"`(\w+)`", hooks.split(" | ")[0]):
         assert callable(getattr(torchrig.TrainingModule, name, None)), name
