@@ -12,6 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig import arguments
+from torchrig.checkpoint.background import SaveHandle
+from torchrig.checkpoint.remote import CheckpointURL
 from torchrig.preemption import SignalsLike, resolve_requeue_signal, resolve_signals
 from torchrig.rig import Rig
 from torchrig.trainer import debugging, loops, settings, stages
@@ -364,12 +366,14 @@ class Trainer:
             state["callback_extras"] = extra
         saved = self.rig.save(path, state, link=link, blocking=blocking)
 
-        def committed(folder: Path) -> None:
+        def committed(folder: Path | CheckpointURL) -> None:
+            if isinstance(folder, CheckpointURL):
+                return  # loggers record local checkpoint folders (docs/checkpoints.md, "Object storage")
             for lg in self.loggers:
                 lg.after_save_checkpoint(folder)
 
-        if isinstance(saved, Path):
-            committed(saved)
-        else:
+        if isinstance(saved, SaveHandle):
             saved.add_commit_hook(committed)
+        else:
+            committed(saved)
         return saved
