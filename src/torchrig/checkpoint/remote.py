@@ -90,6 +90,7 @@ def _filesystem(url: CheckpointURL) -> tuple[Any, str]:
             f"fsspec cannot open {url}: {err} (s3:// needs s3fs, gs:// gcsfs, az:// adlfs: "
             "pip install 'torchrig[remote]' or the backend for your store)"
         ) from None
+    fs.invalidate_cache()  # listings cached by an earlier call miss what other processes wrote since
     return fs, root.rstrip("/")
 
 
