@@ -30,7 +30,7 @@ from typing import Any
 
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.files import resolve_checkpoint
-from torchrig.checkpoint.meta import META, plain_key
+from torchrig.checkpoint.meta import META
 from torchrig.checkpoint.reading import read_meta
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
@@ -60,6 +60,14 @@ def local_path(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
     if isinstance(text, str) and text.startswith("file://"):
         return text[len("file://") :]
     return path
+
+
+def lexists(path: Path | CheckpointURL) -> bool:
+    """Whether anything is at ``path`` (a link that points nowhere, an object or prefix at a URL)."""
+    if isinstance(path, CheckpointURL):
+        fs, root = _filesystem(path)
+        return bool(fs.exists(root))
+    return os.path.lexists(path)
 
 
 def as_url(path: Any) -> CheckpointURL | None:
@@ -120,7 +128,7 @@ def _read_pointer(fs: Any, path: str, url: str) -> str:
             f"{url} is not a torchrig link object (expected JSON {{'checkpoint': NAME}}: {err!r}); "
             "pass the checkpoint's own URL"
         ) from None
-    if not isinstance(name, str) or not plain_key(name) or name.startswith("."):
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
         raise CheckpointError(f"{url} names {name!r}, which is not a checkpoint name in its folder")
     return name
 

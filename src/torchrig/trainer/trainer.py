@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from torchrig import arguments
 from torchrig.checkpoint.background import SaveHandle
-from torchrig.checkpoint.remote import CheckpointURL
+from torchrig.checkpoint.remote import CheckpointURL, as_url, local_path
 from torchrig.preemption import SignalsLike, resolve_requeue_signal, resolve_signals
 from torchrig.rig import Rig
 from torchrig.trainer import debugging, loops, settings, stages
@@ -169,6 +169,14 @@ class Trainer:
             raise ValueError(f"enable_model_summary={enable_model_summary!r} must be True or False")
         self.enable_model_summary = enable_model_summary
         root = os.getcwd() if default_root_dir is None else arguments.path("default_root_dir", default_root_dir)
+        url = as_url(root)
+        if url is not None:
+            raise ValueError(
+                f"Trainer(default_root_dir={root!r}): logs are written to a local folder; keep default_root_dir "
+                f"local and pass callbacks=[ModelCheckpoint(dirpath={url / 'checkpoints'!r})] "
+                "to keep the checkpoints on object storage"
+            )
+        root = local_path(root)
         self.default_root_dir = Path(root)
         self.rig = Rig(
             accelerator=accelerator,
