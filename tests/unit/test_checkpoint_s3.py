@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import torchrig
-from conftest import python_env
+from conftest import python_env, trained_mlp
 from torchrig.checkpoint import CheckpointError
 
 s3fs = pytest.importorskip("s3fs")
@@ -67,24 +66,15 @@ def bucket(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return name
 
 
-def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    return model, opt
-
-
 def test_save_load_exact_through_s3fs(bucket: str) -> None:
     rig = torchrig.Rig(accelerator="cpu")
-    model, opt = _model(0)
+    model, opt = trained_mlp(0)
     assert rig.save(f"s3://{bucket}/run/step-1", {"model": model, "optimizer": opt, "step": 1}) == (
         f"s3://{bucket}/run/step-1"
     )
     keys = s3fs.S3FileSystem().find(f"{bucket}/run")
     assert f"{bucket}/run/last" in keys and any(k.endswith("/meta.json") for k in keys)
-    other, other_opt = _model(1)
+    other, other_opt = trained_mlp(1)
     assert rig.load(f"s3://{bucket}/run/last", {"model": other, "optimizer": other_opt})["step"] == 1
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
     for s, t in zip(opt.state.values(), other_opt.state.values(), strict=True):
@@ -93,7 +83,7 @@ def test_save_load_exact_through_s3fs(bucket: str) -> None:
 
 def test_a_tampered_object_is_refused(bucket: str) -> None:
     rig = torchrig.Rig(accelerator="cpu")
-    model, _ = _model(0)
+    model, _ = trained_mlp(0)
     rig.save(f"s3://{bucket}/ck", {"model": model, "step": 1})
     fs = s3fs.S3FileSystem()
     (key,) = [k for k in fs.find(f"{bucket}/ck") if k.endswith("/state.pt")]

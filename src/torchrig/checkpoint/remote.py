@@ -30,7 +30,7 @@ from typing import Any
 
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.files import resolve_checkpoint
-from torchrig.checkpoint.meta import META
+from torchrig.checkpoint.meta import META, META_LIMIT
 from torchrig.checkpoint.reading import read_meta
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
@@ -112,17 +112,21 @@ def _versions(fs: Any, prefix: str) -> list[str]:
     return [f"{prefix}/{n}" for n in names if _VERSION.fullmatch(n)]
 
 
-def _committed(fs: Any, version: str) -> bool:
-    return bool(fs.exists(f"{version}/{META}"))
-
-
-def _read_pointer(fs: Any, path: str, url: str) -> str:
-    """The checkpoint name a ``last`` object holds (one plain name: it never leads out of its folder)."""
-    size = fs.size(path)
-    if size is None or size > POINTER_LIMIT:
-        raise CheckpointError(f"{url} is {size} bytes: a torchrig link object holds one checkpoint name")
+def _cat(fs: Any, path: str, limit: int) -> bytes | None:
+    """The bytes of the object at ``path``, at most ``limit + 1`` of them (one ranged GET); None
+    where there is no such object (nothing, or only a prefix)."""
     try:
-        name = json.loads(fs.cat_file(path))["checkpoint"]
+        return bytes(fs.cat_file(path, start=0, end=limit + 1))
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+
+
+def _pointed(raw: bytes, url: str) -> str:
+    """The checkpoint name a ``last`` object holds (one plain name: it never leads out of its folder)."""
+    if len(raw) > POINTER_LIMIT:
+        raise CheckpointError(f"{url} is over {POINTER_LIMIT} bytes: a torchrig link object holds one checkpoint name")
+    try:
+        name = json.loads(raw)["checkpoint"]
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(
             f"{url} is not a torchrig link object (expected JSON {{'checkpoint': NAME}}: {err!r}); "
@@ -133,20 +137,22 @@ def _read_pointer(fs: Any, path: str, url: str) -> str:
     return name
 
 
-def locate(url: CheckpointURL) -> tuple[Any, str, CheckpointURL]:
+def locate(url: CheckpointURL) -> tuple[Any, str, CheckpointURL, bytes]:
     """The newest committed version of the checkpoint at ``url`` (following a ``last`` object).
 
-    Returns the file system, its path there and its URL. A version without ``meta.json`` (a save
-    under way, or killed) is never read.
+    Returns the file system, its path there, its URL and the bytes of its ``meta.json``. A
+    version without ``meta.json`` (a save under way, or killed) is never read.
     """
     fs, root = _filesystem(url)
     prefix = root
-    if fs.isfile(root):
-        prefix = f"{root.rsplit('/', 1)[0]}/{_read_pointer(fs, root, url)}"
+    pointer = _cat(fs, root, POINTER_LIMIT)
+    if pointer is not None:
+        prefix = f"{root.rsplit('/', 1)[0]}/{_pointed(pointer, url)}"
     versions = _versions(fs, prefix)
     for version in reversed(versions):
-        if _committed(fs, version):
-            return fs, version, CheckpointURL(fs.unstrip_protocol(version))
+        meta = _cat(fs, f"{version}/{META}", META_LIMIT)
+        if meta is not None:
+            return fs, version, CheckpointURL(fs.unstrip_protocol(version)), meta
     if versions:
         raise CheckpointError(
             f"no committed checkpoint at {url}: {len(versions)} upload(s) under it never wrote their {META} "
@@ -164,9 +170,9 @@ def fetched(path: str | os.PathLike[str]) -> Iterator[Path]:
     if url is None:
         yield resolve_checkpoint(local_path(path))
         return
-    fs, version, _ = locate(url)
+    fs, version, _, raw = locate(url)
     with staging() as folder:
-        fs.get_file(f"{version}/{META}", str(folder / META))
+        (folder / META).write_bytes(raw)
         meta = read_meta(folder)  # the names it lists are plain file names (checked)
         names = list(meta["files"])
         if names:
