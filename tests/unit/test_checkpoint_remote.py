@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import torchrig
 from conftest import trained_mlp
@@ -236,3 +237,13 @@ def test_inspect_and_consolidate_read_urls(memory_url: str, tmp_path: Path) -> N
 
     weights = load_file(tmp_path / "w.safetensors")
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
+@pytest.mark.timeout(60)
+def test_a_sharded_save_to_object_storage_is_refused_before_anything_is_written(memory_url: str) -> None:
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    model = rig.prepare(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"sharded \(FSDP\) checkpoints are written to local or shared file systems"):
+        rig.save(f"{memory_url}/ck", {"model": model, "step": 1})
+    assert not _fs().exists(memory_url.removeprefix("memory://"))
