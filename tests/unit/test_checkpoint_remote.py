@@ -247,3 +247,13 @@ def test_a_sharded_save_to_object_storage_is_refused_before_anything_is_written(
     with pytest.raises(ValueError, match=r"sharded \(FSDP\) checkpoints are written to local or shared file systems"):
         rig.save(f"{memory_url}/ck", {"model": model, "step": 1})
     assert not _fs().exists(memory_url.removeprefix("memory://"))
+
+
+def test_without_fsspec_a_url_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # as if it were not installed
+    with pytest.raises(
+        ImportError, match=r"saving to or loading from s3://b/ck needs fsspec: pip install 'torchrig\[remote\]'"
+    ):
+        torchrig.checkpoint.describe("s3://b/ck")
