@@ -223,7 +223,7 @@ def test_a_scheme_without_its_backend_says_what_to_install() -> None:
         torchrig.checkpoint.describe("gs://b/ck")
 
 
-def test_inspect_and_consolidate_read_urls(memory_url: str, tmp_path: Path) -> None:
+def test_inspect_and_consolidate_read_urls(memory_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from torchrig.cli import main
 
     rig = _rig()
@@ -232,6 +232,8 @@ def test_inspect_and_consolidate_read_urls(memory_url: str, tmp_path: Path) -> N
     info = torchrig.checkpoint.describe(f"{memory_url}/last")
     assert info["step"] == 7 and all(ok for _, _, ok in info["verified"])
     assert info["path"].startswith("memory:///") and "/ck/v-" in info["path"]
+    assert main(["checkpoint", "inspect", f"{memory_url}/last"]) == 0
+    assert "/ck/v-" in capsys.readouterr().out
     assert main(["checkpoint", "consolidate", f"{memory_url}/last", str(tmp_path / "w.safetensors")]) == 0
     from safetensors.torch import load_file
 
