@@ -166,3 +166,44 @@ def test_a_kill_at_every_upload_step_keeps_last_loadable(bucket: str, tmp_path: 
         # Old or new, never nothing: the new one exactly once its meta.json was uploaded.
         assert r["step"] == (2 if r["k"] > commit + 1 else 1), r
         assert r["after"] == 3 and r["versions"] == 1, r  # the next save tidied the name
+
+
+# Two DDP ranks (gloo) save to the server in the background and each loads it back.
+DDP_SCRIPT = r"""
+import sys
+from pathlib import Path
+import torch, torchrig
+
+url, folder = sys.argv[1], Path(sys.argv[2])
+rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp")
+torch.manual_seed(0)
+model = rig.prepare(torch.nn.Linear(6, 3))
+optimizer = rig.prepare(torch.optim.Adam(model.parameters(), lr=0.1))
+rig.backward(model(torch.randn(4, 6) + rig.global_rank).square().mean())
+optimizer.step()
+handle = rig.save(f"{url}/step-1", {"model": model, "optimizer": optimizer, "step": 1}, blocking=False)
+assert handle.wait() == f"{url}/step-1"
+torch.manual_seed(1)
+other = rig.prepare(torch.nn.Linear(6, 3))
+other_opt = rig.prepare(torch.optim.Adam(other.parameters(), lr=0.1))
+assert rig.load(f"{url}/last", {"model": other, "optimizer": other_opt}) == {"step": 1}
+assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+(folder / f"ok-{rig.global_rank}").touch()
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(110)
+def test_two_ddp_ranks_save_in_the_background_and_load_back(bucket: str, tmp_path: Path) -> None:
+    from test_checkpoint_distributed import launch
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    launch(
+        f"s3://{bucket}/ddp",
+        tmp_path,
+        script=str(script),
+        extra_env={**S3_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]},
+    )
+    assert {p.name for p in tmp_path.glob("ok-*")} == {"ok-0", "ok-1"}
+    assert torchrig.checkpoint.describe(f"s3://{bucket}/ddp/last")["world_size"] == 2

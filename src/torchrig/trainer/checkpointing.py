@@ -44,7 +44,8 @@ class ModelCheckpoint(Callback):
     Args:
         dirpath: where checkpoints go (default ``<logger's run directory>/checkpoints``, e.g.
             ``torchrig_logs/version_3/checkpoints``, so each run has its own; without a logger
-            ``<default_root_dir>/checkpoints``).
+            ``<default_root_dir>/checkpoints``). An fsspec URL (``s3://bucket/run``) keeps them on
+            object storage (docs/checkpoints.md, "Object storage").
         filename: a name pattern with ``{epoch}``, ``{step}`` and logged metrics, e.g.
             ``"{epoch}-{val_loss:.3f}"`` (written as ``epoch=2-val_loss=0.123``). ``epoch`` is
             the 0-based index of the last epoch the saved state trained in (see
