@@ -79,6 +79,7 @@ def test_save_load_exact_through_s3fs(bucket: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
     for s, t in zip(opt.state.values(), other_opt.state.values(), strict=True):
         assert all(torch.equal(s[k], t[k]) for k in s)
+    assert rig.load(f"s3://{bucket}/run/step-1")["step"] == 1  # by its own name too
     rig.save(f"s3://{bucket}/run/step-2", {"model": model, "step": 2}, keep_last=1)
     assert sorted(k.rsplit("/", 1)[-1] for k in s3fs.S3FileSystem().ls(f"{bucket}/run", refresh=True)) == [
         "last",
