@@ -33,6 +33,17 @@ writer shares the CPU). The first background save of a run also allocates the ho
 later ones reuse: on its own line. Target: blocked at most 20% of the synchronous save.
 
     python benchmarks/checkpoint_io.py --async --size-gb 1 --repeats 5
+
+``--url s3://BUCKET/PREFIX``: checkpoints on object storage. ``rig.save(url)`` (the files staged
+locally with SHA-256 and fsync, uploaded under a prefix of their own, ``meta.json`` last, then
+the ``last`` object) against uploading the very same files with ``s3fs`` directly
+(``fs.put``), and ``rig.load(url)`` (download, every checksum verified, objects filled) against
+downloading them with ``fs.get``; alternating round by round. Target: at most 1.2x each. The
+client finds the server through the usual ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for a
+local one); ``--start-moto`` starts a moto S3 server on localhost in its own process and
+creates the bucket.
+
+    python benchmarks/checkpoint_io.py --url s3://bench/ckpt --start-moto --size-gb 0.25 --repeats 5
 """
 
 from __future__ import annotations
@@ -41,12 +52,15 @@ import argparse
 import functools
 import os
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -96,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         "--async", dest="background", action="store_true", help="time the loop blocked per save, async vs sync"
     )
     parser.add_argument("--batch", type=int, default=64, help="--async: the batch of the training iteration")
+    parser.add_argument("--url", default=None, help="s3://BUCKET/PREFIX: save and load on object storage vs s3fs")
+    parser.add_argument("--start-moto", action="store_true", help="--url: start a moto S3 server on localhost")
     args = parser.parse_args(argv)
     if args.background:
         return async_main(args)
+    if args.url:
+        return url_main(args)
 
     torch.manual_seed(0)
     rig = torchrig.Rig(accelerator="cpu")
@@ -112,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 times.setdefault(name, []).append(seconds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(times, state_bytes, args)
+    report(times, state_bytes, args, LOCAL)
     return 0
 
 
@@ -295,22 +313,128 @@ def async_report(
     )
 
 
+# -- --url: object storage against s3fs directly ------------------------------------------------
+URL_SAVE_BASE, URL_SAVE = "save: s3fs put of the same files", "save: rig.save(url)"
+URL_LOAD_BASE, URL_LOAD = "load: s3fs get of the same files", "load: rig.load(url) (SHA-256 verified)"
+
+
+def _moto(bucket: str) -> subprocess.Popen[bytes]:
+    """A moto S3 server on a free localhost port, in its own process; the environment points at it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        ["moto_server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    import s3fs
+
+    for _ in range(100):
+        try:
+            s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
+            break
+        except OSError:
+            time.sleep(0.1)
+    return server
+
+
+def url_main(args: argparse.Namespace) -> int:
+    import fsspec
+
+    url = args.url.rstrip("/")
+    server = _moto(url.split("://", 1)[1].split("/", 1)[0]) if args.start_moto else None
+    try:
+        torch.manual_seed(0)
+        rig = torchrig.Rig(accelerator="cpu")
+        model, optimizer = build(args.size_gb, args.width)
+        state = {"model": model, "optimizer": optimizer}
+        state_bytes = sum(p.nbytes for p in model.parameters()) * 3
+        fs, base = fsspec.core.url_to_fs(url)
+        local = Path(tempfile.mkdtemp(prefix="torchrig-ckpt-bench-", dir=args.dir))
+        times: dict[str, list[tuple[float, float]]] = {}
+        try:
+            rig.save(local / "files", state, link=None)  # the bytes both sides move
+            names = sorted(p.name for p in (local / "files").iterdir())
+            for r in range(args.repeats):
+                direct, back = f"{base}/direct-{r}", local / f"back-{r}"
+
+                def put(direct: str = direct) -> None:
+                    fs.put([str(local / "files" / n) for n in names], [f"{direct}/{n}" for n in names])
+
+                def get(direct: str = direct, back: Path = back) -> None:
+                    back.mkdir()
+                    fs.get([f"{direct}/{n}" for n in names], [str(back / n) for n in names])
+
+                saves: list[tuple[str, Callable[[], object]]] = [
+                    (URL_SAVE_BASE, put),
+                    (URL_SAVE, lambda r=r: rig.save(f"{url}/rig-{r}", state)),
+                ]
+                loads: list[tuple[str, Callable[[], object]]] = [
+                    (URL_LOAD_BASE, get),
+                    (URL_LOAD, lambda r=r: rig.load(f"{url}/rig-{r}", state)),
+                ]
+                for group in (saves, loads):
+                    for name, fn in group if r % 2 == 0 else group[::-1]:
+                        times.setdefault(name, []).append(timed(fn))
+                fs.rm(direct, recursive=True)
+                fs.rm(f"{base}/rig-{r}", recursive=True)
+                shutil.rmtree(back)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+    report(times, state_bytes, args, REMOTE)
+    return 0
+
+
 def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
 
-def report(times: dict[str, list[tuple[float, float]]], state_bytes: int, args: argparse.Namespace) -> None:
+class Baselines(NamedTuple):
+    """What a run's rows are measured against: ``base[save|load]``, the ``targets`` (row, its
+    baseline, the most it may take), and the baselines' name in the column headers."""
+
+    base: dict[str, str]
+    targets: tuple[tuple[str, str, float], ...]
+    versus: str
+
+
+LOCAL = Baselines(
+    {"save": SAVE_BASE, "load": LOAD_BASE}, ((SAVE_TARGET, SAVE_BASE, 1.2), (LOAD_TARGET, LOAD_BASE, 1.0)), "torch"
+)
+REMOTE = Baselines(
+    {"save": URL_SAVE_BASE, "load": URL_LOAD_BASE},
+    ((URL_SAVE, URL_SAVE_BASE, 1.2), (URL_LOAD, URL_LOAD_BASE, 1.2)),
+    "s3fs",
+)
+
+
+def report(
+    times: dict[str, list[tuple[float, float]]], state_bytes: int, args: argparse.Namespace, against: Baselines
+) -> None:
+    """The table (each row against its baseline), the targets met or not, the rounds."""
     from rich.console import Console
     from rich.table import Table
 
+    base, targets, versus = against
+    where = f" at {args.url}" if args.url else ""
+    gib = state_bytes / 2**30
+    title = f"checkpoint I/O{where}, {gib:.2f} GiB model + AdamW state, median of {args.repeats} rounds"
+
     wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
     cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
-    base = {"save": SAVE_BASE, "load": LOAD_BASE}
     # Each round's ratio pairs two contenders run back to back: steadier than a ratio of medians.
     ratio = {k: [w / times[base[k.split(":")[0]]][i][0] for i, (w, _) in enumerate(v)] for k, v in times.items()}
-    gib = state_bytes / 2**30
-    table = Table(title=f"checkpoint I/O, {gib:.2f} GiB model + AdamW state, median of {args.repeats} rounds")
-    for col in ("operation", "wall s", "GiB/s", "wall vs torch (range)", "CPU s", "CPU vs torch"):
+    table = Table(title=title)
+    for col in ("operation", "wall s", "GiB/s", f"wall vs {versus} (range)", "CPU s", f"CPU vs {versus}"):
         table.add_column(col, justify="left" if col == "operation" else "right")
     for name in times:
         b = base[name.split(":")[0]]
@@ -324,7 +448,7 @@ def report(times: dict[str, list[tuple[float, float]]], state_bytes: int, args: 
         )
     console = Console(width=120)
     console.print(table)
-    for row, b, limit in ((SAVE_TARGET, SAVE_BASE, 1.2), (LOAD_TARGET, LOAD_BASE, 1.0)):
+    for row, b, limit in targets:
         r = statistics.median(ratio[row])
         console.print(
             f"target: '{row}' at most {limit:.1f}x '{b}': median {r:.2f}x -> {'met' if r <= limit else 'NOT met'}",

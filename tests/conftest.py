@@ -135,3 +135,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.gpu)
             if not has_accelerator:
                 item.add_marker(pytest.mark.skip(reason="no accelerator (torch.accelerator.is_available() is False)"))
+
+
+@pytest.fixture
+def memory_url() -> Iterator[str]:
+    """A fresh folder on fsspec's in-memory file system (``memory://...``), removed afterwards."""
+    import uuid
+
+    fsspec = pytest.importorskip("fsspec")
+    name = f"/torchrig-test-{uuid.uuid4().hex[:8]}"
+    yield f"memory://{name}"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(name):
+        fs.rm(name, recursive=True)
+
+
+def trained_mlp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small MLP and its AdamW after one step (its moments exist), from ``seed``."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt

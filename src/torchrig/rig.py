@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from torchrig import arguments, checkpoint, gather, speedups
 from torchrig.accelerators import Accelerator
-from torchrig.checkpoint.background import BackgroundSaves
+from torchrig.checkpoint.background import BackgroundSaves, SaveHandle
 from torchrig.data import RigDataLoader, rebuild_with_sampler
 from torchrig.fp8 import FP8Mixed
 from torchrig.nested import apply_to_tensors, move_to_device
@@ -34,7 +34,7 @@ from torchrig.strategies.base import check_reduce_op, reset_parameters
 from torchrig.wrappers import RigModule, RigOptimizer, wrap_optimizer
 
 if TYPE_CHECKING:
-    from torchrig.checkpoint.background import SaveHandle
+    from torchrig.checkpoint.remote import CheckpointURL
 
 
 class Rig:
@@ -456,7 +456,7 @@ class Rig:
         keep_last: int | None = ...,
         link: str | None = ...,
         blocking: Literal[True] = ...,
-    ) -> Path: ...
+    ) -> Path | CheckpointURL: ...
 
     @overload
     def save(
@@ -478,7 +478,7 @@ class Rig:
         keep_last: int | None = ...,
         link: str | None = ...,
         blocking: bool,
-    ) -> Path | SaveHandle: ...
+    ) -> Path | CheckpointURL | SaveHandle: ...
 
     def save(
         self,
@@ -488,14 +488,14 @@ class Rig:
         keep_last: int | None = None,
         link: str | None = "last",
         blocking: bool = True,
-    ) -> Path | SaveHandle:
+    ) -> Path | CheckpointURL | SaveHandle:
         """Save ``state`` atomically to the checkpoint directory ``path`` (see :mod:`torchrig.checkpoint`).
 
         ``blocking=False`` returns a :class:`~torchrig.checkpoint.SaveHandle` once a snapshot is
         taken; the files are written in the background (docs/checkpoints.md, "Async saves").
         """
         saved = checkpoint.save(self, path, state, keep_last=keep_last, link=link, blocking=blocking)
-        if isinstance(saved, Path):
+        if not isinstance(saved, SaveHandle):
             self.strategy.record_progress()  # for the crash-loop check of torchrun restarts
         else:
             saved.add_commit_hook(lambda _: self.strategy.record_progress())

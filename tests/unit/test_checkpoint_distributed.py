@@ -99,7 +99,8 @@ def ddp_load_then_fsdp(folder: Path) -> None:
 
 
 # -- the test ---------------------------------------------------------------------------------
-def launch(phase: str, folder: Path) -> None:
+def launch(phase: str, folder: Path, *, script: str = __file__, extra_env: dict[str, str] | None = None) -> None:
+    """Run ``script PHASE FOLDER`` as the 2 ranks of a gloo process group (torchrun's variables)."""
     from torchrig.strategies.environment import find_free_port
 
     port = str(find_free_port())
@@ -110,7 +111,8 @@ def launch(phase: str, folder: Path) -> None:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
         for var in [v for v in env if v.startswith("TORCHRIG_")]:
             del env[var]
-        cmd = [sys.executable, __file__, phase, str(folder)]
+        env.update(extra_env or {})
+        cmd = [sys.executable, script, phase, str(folder)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=90)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):

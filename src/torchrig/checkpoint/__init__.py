@@ -53,12 +53,23 @@ import torch
 from torchrig.checkpoint.background import SaveHandle
 from torchrig.checkpoint.core import load, read_whole, save
 from torchrig.checkpoint.errors import CheckpointError
-from torchrig.checkpoint.files import durable, follow_umask, fsync_dir, resolve_checkpoint
+from torchrig.checkpoint.files import durable, follow_umask, fsync_dir
 from torchrig.checkpoint.meta import STATE_FILE
 from torchrig.checkpoint.reading import VerifiedReader, read_meta, safe_torch_load, verify_files
+from torchrig.checkpoint.remote import CheckpointURL, fetched, remote_origin
 from torchrig.checkpoint.sharded import consolidate_dcp
 
-__all__ = ["CheckpointError", "SaveHandle", "consolidate", "describe", "load", "module_weights", "read_values", "save"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointURL",
+    "SaveHandle",
+    "consolidate",
+    "describe",
+    "load",
+    "module_weights",
+    "read_values",
+    "save",
+]
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -67,10 +78,10 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     Example:
         >>> # info = torchrig.checkpoint.describe("checkpoints/last"); info["step"]
     """
-    folder = resolve_checkpoint(path)
-    meta = read_meta(folder)
-    meta["path"] = str(folder.resolve())  # where a ``last`` link points
-    meta["verified"] = verify_files(folder, meta)
+    with fetched(path) as folder:
+        meta = read_meta(folder)
+        meta["path"] = remote_origin(path) or str(folder.resolve())  # where a ``last`` link points
+        meta["verified"] = verify_files(folder, meta)
     return meta
 
 
@@ -83,9 +94,9 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     Example:
         >>> # torchrig.checkpoint.consolidate("checkpoints/last", "model.safetensors")
     """
-    folder = resolve_checkpoint(path)
-    meta = read_meta(folder)
-    per_module = module_weights(folder)
+    with fetched(path) as folder:
+        meta = read_meta(folder)
+        per_module = module_weights(folder)
     if not per_module:
         raise ValueError(f"{folder} holds no module weights to consolidate (entries: {sorted(meta['entries'])})")
     if len(per_module) == 1:
@@ -116,11 +127,11 @@ def module_weights(path: str | os.PathLike[str]) -> dict[str, dict[str, torch.Te
     Example:
         >>> # torchrig.checkpoint.module_weights("checkpoints/last")["module"]["net.0.weight"]
     """
-    folder = resolve_checkpoint(path)
-    meta = read_meta(folder)
-    if meta.get("sharded"):
-        return consolidate_dcp(folder, meta)
-    return read_whole(folder, meta, torch.device("cpu"))[1]
+    with fetched(path) as folder:
+        meta = read_meta(folder)
+        if meta.get("sharded"):
+            return consolidate_dcp(folder, meta)
+        return read_whole(folder, meta, torch.device("cpu"))[1]
 
 
 def read_values(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -130,15 +141,15 @@ def read_values(path: str | os.PathLike[str]) -> dict[str, Any]:
     Example:
         >>> # torchrig.checkpoint.read_values("checkpoints/last")["step"]
     """
-    folder = resolve_checkpoint(path)
-    meta = read_meta(folder)
-    if meta.get("sharded"):
-        with VerifiedReader(folder, meta) as reader:
-            blob = reader.read(STATE_FILE, lambda p: safe_torch_load(p, map_location="cpu"))
-            reader.check()
-    else:
-        blob = read_whole(folder, meta, torch.device("cpu"), modules=False)[0]
+    with fetched(path) as folder:
+        meta = read_meta(folder)
+        if meta.get("sharded"):
+            with VerifiedReader(folder, meta) as reader:
+                blob = reader.read(STATE_FILE, lambda p: safe_torch_load(p, map_location="cpu"))
+                reader.check()
+        else:
+            blob = read_whole(folder, meta, torch.device("cpu"), modules=False)[0]
     values = blob.get("values") if isinstance(blob, dict) else None
     if not isinstance(values, dict):
-        raise CheckpointError(f"{folder} has no plain values in its state.pt; the checkpoint is damaged")
+        raise CheckpointError(f"{path} has no plain values in its state.pt; the checkpoint is damaged")
     return dict(values)

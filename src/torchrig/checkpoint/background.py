@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torchrig.checkpoint.remote import CheckpointURL
     from torchrig.checkpoint.rounds import SharedOutcome
 
 _unsettled: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
@@ -42,11 +43,11 @@ class SaveHandle:
         >>> # ... keep training ...; handle.wait()  # the Path, once committed
     """
 
-    def __init__(self, path: Path, *, shared: SharedOutcome | None = None) -> None:
+    def __init__(self, path: Path | CheckpointURL, *, shared: SharedOutcome | None = None) -> None:
         self.path = path
         self._local: Future[None] = Future()
         self._shared = shared  # how a rank other than zero learns rank zero's outcome
-        self._hooks: list[Callable[[Path], None]] = []
+        self._hooks: list[Callable[[Path | CheckpointURL], None]] = []
         self._outcome: BaseException | None = None
         self._settled = False  # the outcome is known (and the hooks ran if it succeeded)
         self._reported = False  # the error was raised to someone
@@ -62,7 +63,7 @@ class SaveHandle:
             return False
         return self._shared is None or self._shared.ready()
 
-    def wait(self) -> Path:
+    def wait(self) -> Path | CheckpointURL:
         """Wait until the checkpoint is committed and return its directory; raise if the save failed."""
         self._settle()
         if self._outcome is not None:
@@ -74,7 +75,7 @@ class SaveHandle:
         """Run ``fn()`` on the thread that learns the save is over, committed or not."""
         self._closers.append(fn)
 
-    def add_commit_hook(self, hook: Callable[[Path], None]) -> None:
+    def add_commit_hook(self, hook: Callable[[Path | CheckpointURL], None]) -> None:
         """Run ``hook(path)`` once the checkpoint is committed, on the thread that waits for it."""
         if self._settled and self._outcome is None:
             hook(self.path)

@@ -13,7 +13,7 @@ from typing import Any, Literal, overload
 import torch
 
 from torchrig import arguments
-from torchrig.checkpoint import sharded
+from torchrig.checkpoint import remote, sharded
 from torchrig.checkpoint.background import SaveHandle, settle_pending
 from torchrig.checkpoint.entries import base_meta, check_key, collect
 from torchrig.checkpoint.errors import CheckpointError
@@ -24,7 +24,6 @@ from torchrig.checkpoint.files import (
     discard,
     raise_no_space,
     remove_stale_temps,
-    resolve_checkpoint,
     temp_dir_for,
     update_link,
     write_meta,
@@ -32,6 +31,7 @@ from torchrig.checkpoint.files import (
 )
 from torchrig.checkpoint.meta import STATE_FILE, STATE_TENSORS
 from torchrig.checkpoint.reading import VerifiedReader, read_meta, read_torch_once
+from torchrig.checkpoint.remote import CheckpointURL
 from torchrig.checkpoint.restore import apply_loaded, update_values
 from torchrig.checkpoint.rounds import all_ranks_arrive, shared_outcome
 from torchrig.checkpoint.snapshot import host_buffers, to_host
@@ -46,28 +46,25 @@ from torchrig.checkpoint.tensors import (
 )
 
 
-def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | None, link: str | None) -> None:
+def write(
+    rig: Any, target: Path | CheckpointURL, payload: dict[str, Any], *, keep_last: int | None, link: str | None
+) -> None:
     """Rank zero: write every file into a temp dir, fsync, then rename it into place (``payload``
-    passed :func:`check_weights_only`)."""
+    passed :func:`check_weights_only`); on object storage, upload it by :func:`remote.commit`'s rule."""
+    if isinstance(target, CheckpointURL):
+        with remote.staging() as tmp:
+            try:
+                fill(rig, tmp, payload)
+            except BaseException as err:
+                raise_no_space(err, tmp, payload_bytes(payload))
+                raise
+            remote.commit(tmp, target, link=link, keep_last=keep_last)
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target.parent)
     tmp = temp_dir_for(target)
     try:
-        with FileSet(tmp) as files:
-            blob, external, where = extract_tensors(payload["blob"])
-            names = add_tensor_files(files, STATE_TENSORS, external) if external else []
-            blob["external"] = {"files": names, "where": where}
-            files.add(STATE_FILE, functools.partial(write_torch, obj=blob))
-            for key, sd in payload["modules"].items():
-                entry = payload["entries"][key]
-                entry["files"] = add_tensor_files(files, key, sd)
-                if len(entry["files"]) > 1:
-                    del entry["file"]  # format 1 readers would see only the first shard
-            table = files.finish()
-        tensors = sum(len(sd) for sd in payload["modules"].values())
-        meta = base_meta(rig, payload["entries"], payload["blob"]["values"])
-        meta.update(sharded=False, files=table, tensors=tensors, **payload["counts"])
-        write_meta(tmp, meta)
+        fill(rig, tmp, payload)
         commit(tmp, target)
     except BaseException as err:
         discard(tmp)
@@ -79,6 +76,25 @@ def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | N
         apply_retention(target, keep_last)
 
 
+def fill(rig: Any, tmp: Path, payload: dict[str, Any]) -> None:
+    """Write every file of a whole checkpoint into the folder ``tmp``, ``meta.json`` last."""
+    with FileSet(tmp) as files:
+        blob, external, where = extract_tensors(payload["blob"])
+        names = add_tensor_files(files, STATE_TENSORS, external) if external else []
+        blob["external"] = {"files": names, "where": where}
+        files.add(STATE_FILE, functools.partial(write_torch, obj=blob))
+        for key, sd in payload["modules"].items():
+            entry = payload["entries"][key]
+            entry["files"] = add_tensor_files(files, key, sd)
+            if len(entry["files"]) > 1:
+                del entry["file"]  # format 1 readers would see only the first shard
+        table = files.finish()
+    tensors = sum(len(sd) for sd in payload["modules"].values())
+    meta = base_meta(rig, payload["entries"], payload["blob"]["values"])
+    meta.update(sharded=False, files=table, tensors=tensors, **payload["counts"])
+    write_meta(tmp, meta)
+
+
 @overload
 def save(
     rig: Any,
@@ -88,7 +104,7 @@ def save(
     keep_last: int | None = ...,
     link: str | None = ...,
     blocking: Literal[True] = ...,
-) -> Path: ...
+) -> Path | CheckpointURL: ...
 
 
 @overload
@@ -112,7 +128,7 @@ def save(
     keep_last: int | None = ...,
     link: str | None = ...,
     blocking: bool,
-) -> Path | SaveHandle: ...
+) -> Path | CheckpointURL | SaveHandle: ...
 
 
 def save(
@@ -123,7 +139,7 @@ def save(
     keep_last: int | None = None,
     link: str | None = "last",
     blocking: bool = True,
-) -> Path | SaveHandle:
+) -> Path | CheckpointURL | SaveHandle:
     """Save ``state`` atomically as the checkpoint directory ``path``; see :mod:`torchrig.checkpoint`.
 
     Every rank calls it; rank zero writes (under FSDP every rank writes its shards) and the
@@ -154,7 +170,12 @@ def save(
         arguments.int_in_range("keep_last", keep_last, 1, hint="; pass None to keep every checkpoint")
     if not isinstance(blocking, bool):
         raise TypeError(f"save(blocking={blocking!r}) must be True or False")
-    target = Path(path).absolute()
+    target: Path | CheckpointURL = remote.as_url(path) or Path(remote.local_path(path)).absolute()
+    if isinstance(target, CheckpointURL) and rig.strategy.sharded:
+        raise ValueError(
+            f"save({target!r}): sharded (FSDP) checkpoints are written to local or shared file systems only; "
+            "save to a path, or consolidate the checkpoint and upload it"
+        )
     if link is not None and target.name == link:
         raise ValueError(
             f"cannot save to {target}: {link!r} is the link torchrig points at the newest checkpoint; "
@@ -170,7 +191,7 @@ def save(
     job: Callable[[], None] | None
     with handle.starting(publish):
         if rig.strategy.sharded:
-            job = sharded.start(rig, target, state, keep_last=keep_last, link=link, blocking=blocking)
+            job = sharded.start(rig, Path(target), state, keep_last=keep_last, link=link, blocking=blocking)
         else:
             job = _start_whole(rig, target, state, handle, keep_last=keep_last, link=link, blocking=blocking)
     handle.start(job, background=not blocking, publish=publish)
@@ -182,7 +203,7 @@ def save(
 
 def _start_whole(
     rig: Any,
-    target: Path,
+    target: Path | CheckpointURL,
     state: dict[str, Any],
     handle: SaveHandle,
     *,
@@ -242,7 +263,19 @@ def load(
         >>> # left = rig.load("ckpt/last", {"model": model, "optimizer": opt}); step = left["step"]
     """
     settle_pending(rig)  # a save running in the background first (it may be the one loaded)
-    folder = resolve_checkpoint(path)
+    with remote.fetched(path) as folder:
+        return _load_folder(rig, folder, state, strict, map_location=map_location, verify=verify)
+
+
+def _load_folder(
+    rig: Any,
+    folder: Path,
+    state: dict[str, Any] | None,
+    strict: bool,
+    *,
+    map_location: torch.device | str | None,
+    verify: bool,
+) -> dict[str, Any]:
     meta = read_meta(folder)
     if state is not None and not isinstance(state, dict):
         raise TypeError(f"load() takes state as a dict of the objects to fill, got {type(state)}")

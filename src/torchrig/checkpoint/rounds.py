@@ -8,12 +8,15 @@ import datetime
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from torchrig import arguments
 from torchrig.strategies.agreement import default_store
+
+if TYPE_CHECKING:
+    from torchrig.checkpoint.remote import CheckpointURL
 
 _RESULT = "torchrig/save/{}/result".format  # rank zero's outcome of save round n: "" or "Type: message"
 _arrived = [0]  # rig.save calls every rank arrived at, counted alike on every rank
@@ -31,7 +34,7 @@ def arrival_warning_seconds() -> float:
     return arguments.finite_at_least(ARRIVAL_TIMEOUT_ENV, seconds)
 
 
-def all_ranks_arrive(rig: Any, target: Path) -> int | None:
+def all_ranks_arrive(rig: Any, target: Path | CheckpointURL) -> int | None:
     """Say within about a minute when some rank has not called ``rig.save``; fail at the group's timeout.
 
     Saving is collective (every rank's RNG state is gathered, FSDP ranks write their shards), so
@@ -103,7 +106,7 @@ class SharedOutcome:
     def ready(self) -> bool:
         return bool(self.store.check([self.key]))
 
-    def check(self, path: Path) -> None:
+    def check(self, path: Path | CheckpointURL) -> None:
         self.store.wait([self.key], self.timeout)
         message = self.store.get(self.key).decode()
         if message:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchrig import arguments
+from torchrig.checkpoint.background import SaveHandle
+from torchrig.checkpoint.remote import CheckpointURL, as_url, local_path, remove_checkpoint
 from torchrig.strategies.agreement import default_store, every_rank_arrives
 from torchrig.trainer.callbacks import EVERY_TIME, Callback, EventSchedule
 from torchrig.trainer.metrics import to_floats
@@ -42,7 +44,8 @@ class ModelCheckpoint(Callback):
     Args:
         dirpath: where checkpoints go (default ``<logger's run directory>/checkpoints``, e.g.
             ``torchrig_logs/version_3/checkpoints``, so each run has its own; without a logger
-            ``<default_root_dir>/checkpoints``).
+            ``<default_root_dir>/checkpoints``). An fsspec URL (``s3://bucket/run``) keeps them on
+            object storage (docs/checkpoints.md, "Object storage").
         filename: a name pattern with ``{epoch}``, ``{step}`` and logged metrics, e.g.
             ``"{epoch}-{val_loss:.3f}"`` (written as ``epoch=2-val_loss=0.123``). ``epoch`` is
             the 0-based index of the last epoch the saved state trained in (see
@@ -112,7 +115,7 @@ class ModelCheckpoint(Callback):
             )
         if every_n_train_steps is not None and every_n_epochs is not None:
             raise ValueError("ModelCheckpoint takes every_n_train_steps or every_n_epochs, not both")
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.dirpath = (as_url(dirpath) or Path(local_path(dirpath))) if dirpath is not None else None
         self.filename = filename or "epoch={epoch}-step={step}"
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
         self.every_n_train_steps, self.every_n_epochs = every_n_train_steps, every_n_epochs or 1
@@ -140,9 +143,14 @@ class ModelCheckpoint(Callback):
         self._kept_in: str | None = None  # the resolved folder the kept list belongs to
         self._check_restored = False  # a checkpoint's kept list is to be checked against this run
 
-    def resolve_dirpath(self, trainer: Trainer) -> Path:
+    def resolve_dirpath(self, trainer: Trainer) -> Path | CheckpointURL:
         """Where this callback writes: ``dirpath``, else the Trainer's default checkpoint folder."""
         return self.dirpath if self.dirpath is not None else default_checkpoint_dir(trainer)
+
+    def _folder(self, trainer: Trainer) -> Path | CheckpointURL:
+        """:meth:`resolve_dirpath` resolved (a URL is its own name)."""
+        folder = self.resolve_dirpath(trainer)
+        return folder if isinstance(folder, CheckpointURL) else folder.resolve()
 
     # -- when ------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -157,7 +165,7 @@ class ModelCheckpoint(Callback):
         if not self._check_restored:
             return
         self._check_restored = False
-        if self._kept_in != str(self.resolve_dirpath(trainer).resolve()):
+        if self._kept_in != str(self._folder(trainer)):
             self.best_k_models, self._saved, self._kept_in = {}, [], None
 
     def event_schedule(self, event: str) -> EventSchedule:
@@ -251,7 +259,7 @@ class ModelCheckpoint(Callback):
                 print(note, file=sys.stderr, flush=True)
 
     # -- what ------------------------------------------------------------------------------------
-    def save(self, trainer: Trainer) -> Path | None:
+    def save(self, trainer: Trainer) -> Path | CheckpointURL | None:
         """Save now (on every rank); returns the path, or None when the score is not in the top k.
 
         With ``async_save`` the files are still being written when it returns (see :meth:`_wait_for_save`).
@@ -260,7 +268,7 @@ class ModelCheckpoint(Callback):
         self._last_step_saved, self._last_save_time, self._skipped = trainer.global_step, time.monotonic(), False
         score = self._score(trainer)
         self._adopt_restored(trainer)
-        folder = self.resolve_dirpath(trainer).resolve()
+        folder = self._folder(trainer)
         path, self._kept_in = folder / self.format_name(trainer), str(folder)
         ranked = self.monitor is not None and self.save_top_k != 0
         keep = ranked and self._in_top_k(score)
@@ -285,13 +293,13 @@ class ModelCheckpoint(Callback):
         if key not in self._saved:
             self._saved.append(key)
         saved = trainer.save_checkpoint(path, link="last" if self.save_last else None, blocking=not self.async_save)
-        if isinstance(saved, Path):
-            self._remove_stale(trainer)
-        else:  # stale checkpoints go only once the new one is committed
+        if isinstance(saved, SaveHandle):  # stale checkpoints go only once the new one is committed
             saved.add_commit_hook(lambda _: self._remove_stale(trainer))
+        else:
+            self._remove_stale(trainer)
         return path
 
-    def save_interrupted(self, trainer: Trainer) -> Path:
+    def save_interrupted(self, trainer: Trainer) -> Path | CheckpointURL:
         """Save the state of a fit stopped by a stop signal (Ctrl-C, SIGTERM...) at an optimizer
         step as ``last`` (every rank, the same step).
 
@@ -299,9 +307,9 @@ class ModelCheckpoint(Callback):
         ranked. Already saved at this step with ``save_last``: that checkpoint is ``last``.
         """
         self._wait_for_save(trainer)  # a background save is committed first (the requeue follows this)
-        folder = self.resolve_dirpath(trainer).resolve()
+        folder = self._folder(trainer)
         if self.save_last and self._last_step_saved == trainer.global_step and self.last_model_path:
-            return Path(self.last_model_path)
+            return as_url(self.last_model_path) or Path(self.last_model_path)
         self._adopt_restored(trainer)
         try:
             name = self.format_name(trainer)
@@ -360,9 +368,13 @@ class ModelCheckpoint(Callback):
         self._saved = [p for p in self._saved if p in keep]
         if not trainer.is_global_zero:
             return
-        folder = self.resolve_dirpath(trainer).resolve()
+        folder = self._folder(trainer)
         for p in stale:
-            if _removable(Path(p), folder, trainer.run.resumed_from):
+            url = as_url(p)
+            if url is not None:
+                if url.parent == folder and url.name != "last":  # a checkpoint this callback wrote there
+                    remove_checkpoint(url)
+            elif isinstance(folder, Path) and _removable(Path(p), folder, trainer.run.resumed_from):
                 shutil.rmtree(p, ignore_errors=True)
 
     # -- resumable -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch.utils.data import DataLoader
 
+from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
 from torchrig.data import RigDataLoader
 from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, requeue_slurm_job, restart_count
@@ -232,7 +233,7 @@ def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
     0 when requeued) for the others."""
     stop = exc if isinstance(exc, Preempted) else None
     interrupted = stop is not None or isinstance(exc, KeyboardInterrupt)
-    saved: Path | None = None
+    saved: Path | CheckpointURL | None = None
     try:
         if interrupted:
             tr.interrupted = tr.should_stop = True
@@ -339,7 +340,7 @@ def checkpoint_state(tr: Trainer) -> dict[str, Any]:
     return {k: v for k, v in state.items() if v is not None}
 
 
-def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | None:
+def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | CheckpointURL | None:
     cb = tr.checkpoint_callback
     if str(ckpt_path) == "best":
         if cb is None or not cb.best_model_path:
@@ -347,17 +348,17 @@ def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | None
                 "ckpt_path='best' needs a ModelCheckpoint that has saved a checkpoint in this Trainer; "
                 "give the checkpoint's path, or 'last'"
             )
-        return Path(cb.best_model_path)
+        return as_url(cb.best_model_path) or Path(cb.best_model_path)
     if str(ckpt_path) != "last":
-        return Path(ckpt_path)
+        return as_url(ckpt_path) or Path(local_path(ckpt_path))
     link = _last_link(tr)
-    if not os.path.lexists(link):
+    if not lexists(link):
         warnings.warn(f"ckpt_path='last': there is no checkpoint at {link} yet; starting from scratch", stacklevel=4)
         return None
     return link
 
 
-def _last_link(tr: Trainer) -> Path:
+def _last_link(tr: Trainer) -> Path | CheckpointURL:
     """What ``ckpt_path="last"`` names: ``last`` in the checkpoint folder; in the default folder
     (a new run's) without one, the ``last`` of the newest earlier run beside it.
 
@@ -366,7 +367,7 @@ def _last_link(tr: Trainer) -> Path:
     """
     cb = tr.checkpoint_callback
     link = (cb.resolve_dirpath(tr) if cb is not None else default_checkpoint_dir(tr)) / "last"
-    if not os.path.lexists(link) and (cb is None or cb.dirpath is None):
+    if not lexists(link) and (cb is None or cb.dirpath is None):
         link = previous_run_last(tr) or link
     return link
 
@@ -374,7 +375,7 @@ def _last_link(tr: Trainer) -> Path:
 def _auto_resume(tr: Trainer) -> None:
     """A restarted job's fit without ``ckpt_path``: resume from the newest ``last``, if any."""
     link, count = _last_link(tr), restart_count()
-    if not os.path.lexists(link):
+    if not lexists(link):
         tr.rig.print(f"torchrig: restart {count} of this job: no checkpoint at {link} yet; starting from scratch")
         return
     tr.rig.print(f"torchrig: restart {count} of this job: resuming from {link} (auto_resume=False turns this off)")
@@ -389,9 +390,12 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     state = checkpoint_state(tr)
     left = tr.rig.load(path, state)
     _align_batch_index(tr)
-    tr.run.resumed_from = path.resolve()
+    if isinstance(path, CheckpointURL):  # retention never touches object storage it did not write
+        tr.run.resumed_from, shown = None, str(path)
+    else:
+        tr.run.resumed_from = path.resolve()
+        shown = f"{path} -> {tr.run.resumed_from.name}" if path.is_symlink() else str(tr.run.resumed_from)
     fs = tr.fit_state
-    shown = f"{path} -> {tr.run.resumed_from.name}" if path.is_symlink() else str(tr.run.resumed_from)
     epoch = fs.epoch + 2 if fs.epoch_finished else fs.epoch + 1  # counted from 1, as the progress bar does
     mid = fs.batch_idx and not fs.epoch_finished
     where = f"in epoch {epoch} after {fs.batch_idx} batches" if mid else f"with epoch {epoch}"

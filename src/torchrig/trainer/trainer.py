@@ -12,6 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig import arguments
+from torchrig.checkpoint.background import SaveHandle
+from torchrig.checkpoint.remote import CheckpointURL, as_url, local_path
 from torchrig.preemption import SignalsLike, resolve_requeue_signal, resolve_signals
 from torchrig.rig import Rig
 from torchrig.trainer import debugging, loops, settings, stages
@@ -193,6 +195,14 @@ class Trainer:
         self.sync_batchnorm = settings.flag("sync_batchnorm", sync_batchnorm)
         self.enable_autolog_hparams = settings.flag("enable_autolog_hparams", enable_autolog_hparams)
         root = os.getcwd() if default_root_dir is None else arguments.path("default_root_dir", default_root_dir)
+        url = as_url(root)
+        if url is not None:
+            raise ValueError(
+                f"Trainer(default_root_dir={root!r}): logs are written to a local folder; keep default_root_dir "
+                f"local and pass callbacks=[ModelCheckpoint(dirpath={url / 'checkpoints'!r})] "
+                "to keep the checkpoints on object storage"
+            )
+        root = local_path(root)
         self.default_root_dir = Path(root)
         self.rig = Rig(
             accelerator=accelerator,
@@ -400,12 +410,14 @@ class Trainer:
             state["callback_extras"] = extra
         saved = self.rig.save(path, state, link=link, blocking=blocking)
 
-        def committed(folder: Path) -> None:
+        def committed(folder: Path | CheckpointURL) -> None:
+            if isinstance(folder, CheckpointURL):
+                return  # loggers record local checkpoint folders (docs/checkpoints.md, "Object storage")
             for lg in self.loggers:
                 lg.after_save_checkpoint(folder)
 
-        if isinstance(saved, Path):
-            committed(saved)
-        else:
+        if isinstance(saved, SaveHandle):
             saved.add_commit_hook(committed)
+        else:
+            committed(saved)
         return saved

@@ -1,0 +1,281 @@
+"""Checkpoints on object storage: fsspec URLs (``s3://``, ``gs://``, ``az://``, ``memory://``...).
+
+Object stores cannot rename, so the local rule (write a hidden directory, rename it into place)
+becomes: a save stages the checkpoint on the local disk with the very code a local save runs
+(:func:`staging`), then uploads every file under a prefix of its own, ``NAME/v-<time>-<random>/``,
+and ``meta.json`` (each file's size and SHA-256) last (:func:`commit`). A version is *committed*
+when its ``meta.json`` exists; readers follow only the newest committed version of ``NAME``
+(:func:`locate`). ``last`` is one small object next to the checkpoints holding the name it points
+at, written after the commit. Older versions of ``NAME`` (committed, or left by a killed save) are
+deleted only after that, ``meta.json`` first; a crash at any point leaves the previous ``last``
+loadable. A read downloads the committed files to a local temp folder and checks them there as a
+local load does (:func:`fetched`), so every guarantee of the reader holds unchanged.
+
+``file://`` URLs are local paths and take the local code path (:func:`local_path`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.files import resolve_checkpoint
+from torchrig.checkpoint.meta import META, META_LIMIT
+from torchrig.checkpoint.reading import read_meta
+
+_SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+_VERSION = re.compile(r"v-[0-9]{20}-[0-9a-f]{8}")
+POINTER_LIMIT = 4096  # a ``last`` object holds one checkpoint name
+
+
+class CheckpointURL(str):
+    """The URL of a checkpoint on object storage (what ``rig.save("s3://...")`` returns): a ``str``
+    with the two parts of a path torchrig uses, :attr:`name` and :attr:`parent`."""
+
+    @property
+    def name(self) -> str:
+        return self.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> CheckpointURL:
+        return CheckpointURL(self.rstrip("/").rsplit("/", 1)[0])
+
+    def __truediv__(self, name: str) -> CheckpointURL:
+        return CheckpointURL(f"{self.rstrip('/')}/{name}")
+
+
+def local_path(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """``path`` with a ``file://`` scheme taken off (a local path); anything else as it is."""
+    text = os.fspath(path)
+    if isinstance(text, str) and text.startswith("file://"):
+        return text[len("file://") :]
+    return path
+
+
+def lexists(path: Path | CheckpointURL) -> bool:
+    """Whether anything is at ``path`` (a link that points nowhere, an object or prefix at a URL)."""
+    if isinstance(path, CheckpointURL):
+        fs, root = _filesystem(path)
+        return bool(fs.exists(root))
+    return os.path.lexists(path)
+
+
+def as_url(path: Any) -> CheckpointURL | None:
+    """``path`` as a :class:`CheckpointURL` if it is an object-store URL (not ``file://``), else None."""
+    if isinstance(path, os.PathLike):
+        return None
+    if not isinstance(path, str):
+        return None
+    m = _SCHEME.match(path)
+    if m is None or m["scheme"].lower() == "file":
+        return None
+    return CheckpointURL(path.rstrip("/"))
+
+
+def _filesystem(url: CheckpointURL) -> tuple[Any, str]:
+    """fsspec's file system for ``url`` and the path on it; a missing backend says what to install."""
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(
+            f"saving to or loading from {url} needs fsspec: pip install 'torchrig[remote]' "
+            "(fsspec and s3fs; gcsfs for gs://, adlfs for az://)"
+        ) from None
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as err:
+        raise ImportError(
+            f"fsspec cannot open {url}: {err} (s3:// needs s3fs, gs:// gcsfs, az:// adlfs: "
+            "pip install 'torchrig[remote]' or the backend for your store)"
+        ) from None
+    fs.invalidate_cache()  # listings cached by an earlier call miss what other processes wrote since
+    return fs, root.rstrip("/")
+
+
+def _versions(fs: Any, prefix: str) -> list[str]:
+    """The version prefixes under a checkpoint name, oldest first (their names sort by time)."""
+    try:
+        found = fs.ls(prefix, detail=False)
+    except FileNotFoundError:
+        return []
+    names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in found})
+    return [f"{prefix}/{n}" for n in names if _VERSION.fullmatch(n)]
+
+
+def _cat(fs: Any, path: str, limit: int) -> bytes | None:
+    """The bytes of the object at ``path``, at most ``limit + 1`` of them (one ranged GET); None
+    where there is no such object (nothing, or only a prefix)."""
+    try:
+        return bytes(fs.cat_file(path, start=0, end=limit + 1))
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+
+
+def _pointed(raw: bytes, url: str) -> str:
+    """The checkpoint name a ``last`` object holds (one plain name: it never leads out of its folder)."""
+    if len(raw) > POINTER_LIMIT:
+        raise CheckpointError(f"{url} is over {POINTER_LIMIT} bytes: a torchrig link object holds one checkpoint name")
+    try:
+        name = json.loads(raw)["checkpoint"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{url} is not a torchrig link object (expected JSON {{'checkpoint': NAME}}: {err!r}); "
+            "pass the checkpoint's own URL"
+        ) from None
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+        raise CheckpointError(f"{url} names {name!r}, which is not a checkpoint name in its folder")
+    return name
+
+
+def locate(url: CheckpointURL) -> tuple[Any, str, CheckpointURL, bytes]:
+    """The newest committed version of the checkpoint at ``url`` (following a ``last`` object).
+
+    Returns the file system, its path there, its URL and the bytes of its ``meta.json``. A
+    version without ``meta.json`` (a save under way, or killed) is never read.
+    """
+    fs, root = _filesystem(url)
+    prefix = root
+    pointer = _cat(fs, root, POINTER_LIMIT)
+    if pointer is not None:
+        prefix = f"{root.rsplit('/', 1)[0]}/{_pointed(pointer, url)}"
+    versions = _versions(fs, prefix)
+    for version in reversed(versions):
+        meta = _cat(fs, f"{version}/{META}", META_LIMIT)
+        if meta is not None:
+            return fs, version, CheckpointURL(fs.unstrip_protocol(version)), meta
+    if versions:
+        raise CheckpointError(
+            f"no committed checkpoint at {url}: {len(versions)} upload(s) under it never wrote their {META} "
+            "(a save that was interrupted, or one still under way); load an earlier checkpoint"
+        )
+    raise FileNotFoundError(f"no checkpoint at {url}")
+
+
+@contextlib.contextmanager
+def fetched(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """The checkpoint folder at ``path`` to read: a local one as it is (:func:`resolve_checkpoint`);
+    one on object storage downloaded to a temp folder (removed afterwards): its ``meta.json``
+    first, checked against the schema, then only the files it lists."""
+    url = as_url(path)
+    if url is None:
+        yield resolve_checkpoint(local_path(path))
+        return
+    fs, version, _, raw = locate(url)
+    with staging() as folder:
+        (folder / META).write_bytes(raw)
+        meta = read_meta(folder)  # the names it lists are plain file names (checked)
+        names = list(meta["files"])
+        if names:
+            fs.get([f"{version}/{n}" for n in names], [str(folder / n) for n in names])
+        yield folder
+
+
+def remote_origin(path: str | os.PathLike[str]) -> str | None:
+    """The URL of the committed version ``path`` names, if it is on object storage."""
+    url = as_url(path)
+    return None if url is None else locate(url)[2]
+
+
+@contextlib.contextmanager
+def staging() -> Iterator[Path]:
+    """A private local temp folder for a checkpoint on its way to or from object storage."""
+    folder = Path(tempfile.mkdtemp(prefix="torchrig-stage-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove(fs: Any, prefix: str) -> None:
+    """Delete an uploaded version, ``meta.json`` first: a half-deleted one is never taken for whole."""
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(f"{prefix}/{META}")
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(prefix, recursive=True)
+
+
+def commit(staged: Path, target: CheckpointURL, *, link: str | None, keep_last: int | None) -> None:
+    """Upload the finished checkpoint folder ``staged`` as ``target``: its files under a prefix of
+    their own, ``meta.json`` last; then the ``link`` object; then older versions and, with
+    ``keep_last``, the oldest committed checkpoints next to it go."""
+    fs, root = _filesystem(target)
+    parent = root.rsplit("/", 1)[0]
+    if link is not None and fs.isdir(f"{parent}/{link}"):
+        raise CheckpointError(
+            f"cannot update the {link!r} link: {target.parent / link} holds objects (it is not a torchrig link "
+            "object); remove them or pass link=None"
+        )
+    version = f"{root}/v-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+    names = sorted(p.name for p in staged.iterdir() if p.name != META)
+    try:
+        if names:
+            fs.put([str(staged / n) for n in names], [f"{version}/{n}" for n in names])
+        fs.put_file(str(staged / META), f"{version}/{META}")  # the commit
+    except BaseException:
+        _remove(fs, version)  # nothing of an upload that failed stays
+        raise
+    if link is not None:
+        fs.pipe_file(f"{parent}/{link}", json.dumps({"checkpoint": target.name}).encode())
+    for old in _versions(fs, root):
+        if old < version:
+            _remove(fs, old)
+    if keep_last is not None:
+        apply_retention(fs, root, keep_last)
+
+
+def _newest_meta(fs: Any, prefix: str) -> dict[str, Any] | None:
+    """The ``meta.json`` of the newest committed version under a checkpoint name (None: there is none)."""
+    for version in reversed(_versions(fs, prefix)):
+        try:
+            meta = json.loads(fs.cat_file(f"{version}/{META}"))
+        except FileNotFoundError:
+            continue
+        except ValueError:
+            return None
+        return meta if isinstance(meta, dict) and meta.get("format") is not None else None
+    return None
+
+
+def apply_retention(fs: Any, root: str, keep_last: int) -> list[str]:
+    """Delete the oldest committed checkpoints next to ``root`` so that ``keep_last`` remain.
+
+    Only names holding a committed torchrig checkpoint count; ``root`` itself is kept.
+    """
+    parent = root.rsplit("/", 1)[0]
+    found: list[tuple[int, str]] = []
+    for entry in fs.ls(parent, detail=True):
+        path = entry["name"].rstrip("/")
+        if entry["type"] != "directory" or path == root or path.rsplit("/", 1)[-1].startswith("."):
+            continue
+        meta = _newest_meta(fs, path)
+        if meta is not None:
+            found.append((int(meta.get("saved_at_ns", 0)), path))
+    found.sort()
+    doomed = [p for _, p in found[: max(0, len(found) - (keep_last - 1))]]
+    for prefix in doomed:
+        _remove_name(fs, prefix)
+    return doomed
+
+
+def _remove_name(fs: Any, prefix: str) -> None:
+    """Delete every version of a checkpoint name, each ``meta.json`` first, then the name itself."""
+    for version in _versions(fs, prefix):
+        _remove(fs, version)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(prefix, recursive=True)
+
+
+def remove_checkpoint(url: CheckpointURL) -> None:
+    """Delete every version of the checkpoint at ``url`` (for a callback's retention)."""
+    fs, root = _filesystem(url)
+    _remove_name(fs, root)

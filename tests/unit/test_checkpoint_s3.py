@@ -1,0 +1,215 @@
+"""Checkpoints on a real S3-compatible server on localhost (moto in server mode, started here),
+through the real s3fs client: save/load/resume exact, a kill at every upload step keeps ``last``
+loadable, a tampered object is refused.
+
+The client finds the server the way a user points it at theirs: ``AWS_ENDPOINT_URL`` and the
+``AWS_*`` credentials in the environment (botocore reads them). Skipped without moto/s3fs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchrig
+from conftest import python_env, trained_mlp
+from torchrig.checkpoint import CheckpointError
+
+s3fs = pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    """A moto S3 server on a free localhost port for this module; its endpoint URL."""
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on the server, with the environment pointing the client at it."""
+    for k, v in {**S3_ENV, "AWS_ENDPOINT_URL": s3_server}.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()
+    name = f"torchrig-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem().mkdir(name)
+    return name
+
+
+def test_save_load_exact_through_s3fs(bucket: str) -> None:
+    rig = torchrig.Rig(accelerator="cpu")
+    model, opt = trained_mlp(0)
+    assert rig.save(f"s3://{bucket}/run/step-1", {"model": model, "optimizer": opt, "step": 1}) == (
+        f"s3://{bucket}/run/step-1"
+    )
+    keys = s3fs.S3FileSystem().find(f"{bucket}/run")
+    assert f"{bucket}/run/last" in keys and any(k.endswith("/meta.json") for k in keys)
+    other, other_opt = trained_mlp(1)
+    assert rig.load(f"s3://{bucket}/run/last", {"model": other, "optimizer": other_opt})["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+    for s, t in zip(opt.state.values(), other_opt.state.values(), strict=True):
+        assert all(torch.equal(s[k], t[k]) for k in s)
+    assert rig.load(f"s3://{bucket}/run/step-1")["step"] == 1  # by its own name too
+    rig.save(f"s3://{bucket}/run/step-2", {"model": model, "step": 2}, keep_last=1)
+    assert sorted(k.rsplit("/", 1)[-1] for k in s3fs.S3FileSystem().ls(f"{bucket}/run", refresh=True)) == [
+        "last",
+        "step-2",
+    ]
+
+
+def test_a_tampered_object_is_refused(bucket: str) -> None:
+    rig = torchrig.Rig(accelerator="cpu")
+    model, _ = trained_mlp(0)
+    rig.save(f"s3://{bucket}/ck", {"model": model, "step": 1})
+    fs = s3fs.S3FileSystem()
+    (key,) = [k for k in fs.find(f"{bucket}/ck") if k.endswith("/state.pt")]
+    data = bytearray(fs.cat_file(key))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(key, bytes(data))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*state\.pt: SHA-256 is .*, meta\.json says"):
+        rig.load(f"s3://{bucket}/last", {"model": model})
+
+
+# One process imports torch once, then for every k forks a child that saves step 2 over step 1
+# (same name, ``last`` pointing at it, an older checkpoint falling to keep_last) and dies
+# (os._exit: no clean-up, as SIGKILL) at its k-th change on the server. The parent then loads
+# ``last`` as it is, saves step 3 (which must tidy what the dead one left) and reports.
+DRIVER = r"""
+import json, os, sys
+import s3fs, torch, torchrig
+
+bucket = sys.argv[1]
+rig = torchrig.Rig(accelerator="cpu")
+model = torch.nn.Linear(3, 3)
+
+def die_at(k, seen):
+    for name in ("_put_file", "_pipe_file", "_rm_file", "_bulk_delete"):
+        real = getattr(s3fs.S3FileSystem, name)
+        async def op(self, *a, _real=real, _name=name, **kw):
+            seen.append(_name + " " + str(a[-1] if _name == "_put_file" else a[0]))
+            if len(seen) == k:
+                os._exit(17)
+            return await _real(self, *a, **kw)
+        setattr(s3fs.S3FileSystem, name, op)
+
+def replace_step_1(k):
+    base = f"s3://{bucket}/k{k}"
+    rig.save(f"{base}/old", {"model": model, "step": 0}, link=None)
+    rig.save(f"{base}/ck", {"model": model, "step": 1})
+    pid = os.fork()
+    if pid == 0:
+        s3fs.S3FileSystem.clear_instance_cache()
+        seen = []
+        die_at(k, seen)
+        rig.save(f"{base}/ck", {"model": model, "step": 2}, keep_last=2)
+        print(json.dumps({"ops": seen}), flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return base, os.waitstatus_to_exitcode(status)
+
+results = []
+for k in range(1, 40):
+    base, code = replace_step_1(k)
+    try:
+        step = rig.load(f"{base}/last")["step"]
+    except Exception as err:
+        step = f"{type(err).__name__}: {err}"
+    rig.save(f"{base}/ck", {"model": model, "step": 3})
+    after = rig.load(f"{base}/last")["step"]
+    versions = len(s3fs.S3FileSystem().ls(f"{bucket}/k{k}/ck"))
+    results.append({"k": k, "code": code, "step": step, "after": after, "versions": versions})
+    if code == 0:
+        break
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.timeout(110)
+def test_a_kill_at_every_upload_step_keeps_last_loadable(bucket: str, tmp_path: Path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    env = {**python_env(), **S3_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
+    out = subprocess.run([sys.executable, str(script), bucket], capture_output=True, text=True, timeout=100, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    ops: list[str] = json.loads(lines[-2])["ops"]  # the save that was not killed, in order
+    results: list[dict[str, Any]] = json.loads(lines[-1])
+    assert [r["code"] for r in results] == [17] * len(ops) + [0]  # killed at each change, then not
+    commit = next(i for i, op in enumerate(ops) if op.endswith("/meta.json"))  # 0-based: the k of the commit - 1
+    assert all(op.startswith("_put_file") for op in ops[:commit])  # every file before meta.json
+    assert ops[commit + 1].startswith("_pipe_file") and ops[commit + 1].endswith("/last")
+    for r in results:
+        # Old or new, never nothing: the new one exactly once its meta.json was uploaded.
+        assert r["step"] == (2 if r["k"] > commit + 1 else 1), r
+        assert r["after"] == 3 and r["versions"] == 1, r  # the next save tidied the name
+
+
+# Two DDP ranks (gloo) save to the server in the background and each loads it back.
+DDP_SCRIPT = r"""
+import sys
+from pathlib import Path
+import torch, torchrig
+
+url, folder = sys.argv[1], Path(sys.argv[2])
+rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp")
+torch.manual_seed(0)
+model = rig.prepare(torch.nn.Linear(6, 3))
+optimizer = rig.prepare(torch.optim.Adam(model.parameters(), lr=0.1))
+rig.backward(model(torch.randn(4, 6) + rig.global_rank).square().mean())
+optimizer.step()
+handle = rig.save(f"{url}/step-1", {"model": model, "optimizer": optimizer, "step": 1}, blocking=False)
+assert handle.wait() == f"{url}/step-1"
+torch.manual_seed(1)
+other = rig.prepare(torch.nn.Linear(6, 3))
+other_opt = rig.prepare(torch.optim.Adam(other.parameters(), lr=0.1))
+assert rig.load(f"{url}/last", {"model": other, "optimizer": other_opt}) == {"step": 1}
+assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+(folder / f"ok-{rig.global_rank}").touch()
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(110)
+def test_two_ddp_ranks_save_in_the_background_and_load_back(bucket: str, tmp_path: Path) -> None:
+    from test_checkpoint_distributed import launch
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    launch(
+        f"s3://{bucket}/ddp",
+        tmp_path,
+        script=str(script),
+        extra_env={**S3_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]},
+    )
+    assert {p.name for p in tmp_path.glob("ok-*")} == {"ok-0", "ok-1"}
+    assert torchrig.checkpoint.describe(f"s3://{bucket}/ddp/last")["world_size"] == 2
