@@ -15,7 +15,7 @@ import pytest
 import torch
 from dist_helpers import SCRIPTS, env, explain, run
 
-from torchrig.strategies.environment import find_free_port
+from torchrig.strategies.launch import find_free_port
 
 SCRIPT = str(SCRIPTS / "preempt_fit.py")
 

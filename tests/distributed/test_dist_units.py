@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import torchrig
+from torchrig.clusters import first_slurm_host
 from torchrig.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, detect_environment
-from torchrig.strategies.environment import first_slurm_host
 
 _LAUNCHER_VARS = (
     "RANK",

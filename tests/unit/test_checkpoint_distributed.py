@@ -100,7 +100,7 @@ def ddp_load_then_fsdp(folder: Path) -> None:
 
 # -- the test ---------------------------------------------------------------------------------
 def launch(phase: str, folder: Path) -> None:
-    from torchrig.strategies.environment import find_free_port
+    from torchrig.strategies.launch import find_free_port
 
     port = str(find_free_port())
     procs = []
