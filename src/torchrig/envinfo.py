@@ -29,6 +29,7 @@ OPTIONAL_PACKAGES = {
     "accelerate": "accelerate",
     "transformers": "transformers",
     "deepspeed": "deepspeed",
+    "ray": "ray",
     "torch_xla": "torch_xla",
     "intel_extension_for_pytorch": "intel_extension_for_pytorch",
     "torch_npu": "torch_npu",

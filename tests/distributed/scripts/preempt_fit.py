@@ -54,7 +54,7 @@ class Signal(torchrig.Callback):
             time.sleep(2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
     parser.add_argument("out")
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself at this step (first attempt)")
     parser.add_argument("--save-every", type=int, default=0, help="a checkpoint every this many steps")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
