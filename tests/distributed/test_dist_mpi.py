@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.skipif(shutil.which("mpirun")
 EXTRA = ["--epochs", "2"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_mpirun_two_processes_fit_matches_torchrig_run(tmp_path: Path) -> None:
     reference = torchrig_run_fit(tmp_path, *EXTRA)
     out = tmp_path / "mpi.pt"

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.skipif(importlib.util.find_sp
 EXTRA = ["--epochs", "2"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_ray_train_two_workers_fit_matches_torchrig_run(tmp_path: Path) -> None:
     reference = torchrig_run_fit(tmp_path, *EXTRA)
     out = tmp_path / "ray.pt"
@@ -30,7 +30,7 @@ def test_ray_train_two_workers_fit_matches_torchrig_run(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:
-        stdout, _ = proc.communicate(timeout=200)
+        stdout, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -50,7 +50,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return torchrig_run_fit(tmp_path_factory.mktemp("reference"), *SLOW)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_srun_two_tasks_fit_matches_torchrig_run(slurm: SlurmCluster, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "srun.pt"
     done = slurm.run(
@@ -80,7 +80,7 @@ def _wait_for(path: Path, slurm: SlurmCluster, log: Path, timeout: float = 90) -
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_usr1_requeues_the_job_which_resumes_by_itself_with_an_uninterrupted_runs_weights(
     slurm: SlurmCluster, reference: Path, tmp_path: Path
 ) -> None:
@@ -114,7 +114,7 @@ def test_usr1_requeues_the_job_which_resumes_by_itself_with_an_uninterrupted_run
     same_weights(reference, out)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_scancel_loses_at_most_the_steps_since_the_signal(slurm: SlurmCluster, reference: Path, tmp_path: Path) -> None:
     root, out, log, ready = tmp_path / "root", tmp_path / "cancelled.pt", tmp_path / "job.log", tmp_path / "ready"
     job = slurm.sbatch(
