@@ -30,6 +30,16 @@ def missing_binaries() -> list[str]:
     return [b for b in BINARIES if shutil.which(b) is None]
 
 
+def skip_reason() -> str | None:
+    """Why the SLURM tests cannot run here (one line), or None."""
+    missing = missing_binaries()
+    if missing:
+        return f"SLURM is not installed ({', '.join(missing)} missing): {HOW_TO_GET}"
+    if os.geteuid() != 0:
+        return "a test SLURM cluster needs root (slurmd starts jobs as their user); run as root, as .ci/run does"
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,11 +198,9 @@ class SlurmCluster:
 @pytest.fixture(scope="session", name="slurm")
 def slurm_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """The session's cluster: started on first use, stopped (with its jobs) at the session's end."""
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing): {HOW_TO_GET}")
-    if os.geteuid() != 0:
-        pytest.skip("a test SLURM cluster needs root (slurmd starts jobs as their user); run as root, as .ci/run does")
+    why_not = skip_reason()
+    if why_not is not None:
+        pytest.skip(why_not)
     cluster = SlurmCluster(Path(tmp_path_factory.mktemp("slurm")))
     try:
         cluster.start(timeout=60)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import KILL_WAIT, SlurmCluster, slurm_fixture  # noqa: F401 (the `slurm` fixture)
+from slurm_cluster import KILL_WAIT, SlurmCluster, skip_reason, slurm_fixture  # noqa: F401 (the `slurm` fixture)
 
 from conftest import python_env
 
@@ -42,6 +42,14 @@ def _env() -> dict[str, str]:
 def _explain(what: str, proc: subprocess.CompletedProcess[str] | str, cluster: SlurmCluster) -> str:
     text = proc if isinstance(proc, str) else f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return f"{what}:\n{text}\n{cluster.logs()}"
+
+
+def test_without_slurm_the_tests_skip_with_one_line_saying_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert skip_reason() == (
+        "SLURM is not installed (munged, slurmctld, slurmd, sbatch, srun, scontrol, scancel, squeue missing): "
+        "apt-get install slurm-wlm munge (what .ci/run does)"
+    )
 
 
 @pytest.fixture(scope="module")
