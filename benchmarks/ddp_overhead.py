@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="batch size per process")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-    from torchrig.strategies.environment import find_free_port
+    from torchrig.strategies.launch import find_free_port
 
     mp.start_processes(worker, args=(args, find_free_port()), nprocs=WORLD, start_method="spawn")
 

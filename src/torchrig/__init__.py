@@ -10,6 +10,7 @@ from torchrig.accelerators import (
     XLAAccelerator,
 )
 from torchrig.checkpoint import CheckpointError
+from torchrig.clusters import CLUSTER_ENVIRONMENTS, ClusterEnvironment, detect_environment
 from torchrig.devices import current_device_index, device_index, set_device_index
 from torchrig.diagnostics import DeviceMismatchError
 from torchrig.fp8 import FP8Mixed
@@ -72,6 +73,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "ACCELERATOR_REGISTRY",
+    "CLUSTER_ENVIRONMENTS",
     "EMA",
     "PRECISIONS",
     "STRATEGY_REGISTRY",
@@ -81,6 +83,7 @@ __all__ = [
     "CSVLogger",
     "Callback",
     "CheckpointError",
+    "ClusterEnvironment",
     "DDPStrategy",
     "DataModule",
     "DeviceMismatchError",
@@ -120,6 +123,7 @@ __all__ = [
     "XLAAccelerator",
     "__version__",
     "current_device_index",
+    "detect_environment",
     "device_index",
     "move_to_device",
     "plan",

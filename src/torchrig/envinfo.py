@@ -29,6 +29,7 @@ OPTIONAL_PACKAGES = {
     "accelerate": "accelerate",
     "transformers": "transformers",
     "deepspeed": "deepspeed",
+    "ray": "ray",
     "torch_xla": "torch_xla",
     "intel_extension_for_pytorch": "intel_extension_for_pytorch",
     "torch_npu": "torch_npu",
@@ -185,6 +186,26 @@ def probe_distributed() -> dict[str, Any]:
     }
 
 
+def probe_cluster() -> dict[str, Any]:
+    """Which launcher started this process, and why torchrig thinks so."""
+    from torchrig.clusters import CLUSTER_ENVIRONMENTS
+
+    env = CLUSTER_ENVIRONMENTS.detect()
+    out: dict[str, Any] = {"detected": env.kind, "why": env.reason}
+    if env.launched:
+        out.update(
+            global_rank=env.global_rank,
+            local_rank=env.local_rank,
+            node_rank=env.node_rank,
+            world_size=env.world_size,
+            rendezvous=f"{env.master_addr}:{env.master_port}",
+        )
+    job = CLUSTER_ENVIRONMENTS.job()
+    out["scheduler_job"] = f"{job[0]} {job[2]}" if job is not None else None
+    out["known"] = [name for name, _ in CLUSTER_ENVIRONMENTS.classes()]
+    return out
+
+
 def probe_precision() -> dict[str, Any]:
     """The precision of the auto-selected device: what ``"auto"`` picks and what else works."""
     from torchrig.precision import auto_precision, supported_precisions
@@ -225,6 +246,7 @@ def gather() -> dict[str, Any]:
         "torchrig": _guarded(probe_torchrig),
         "accelerators": _guarded(probe_accelerators),
         "distributed": _guarded(probe_distributed),
+        "cluster": _guarded(probe_cluster),
         "precision": _guarded(probe_precision),
         "packages": _guarded(probe_packages),
     }

@@ -26,10 +26,7 @@ there and raises :class:`Preempted` (exit status ``128 + signal``; 0 when the jo
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -72,7 +69,9 @@ def stopped_for_signal(code: int | None) -> bool:
 
 def under_slurm() -> bool:
     """Whether this process runs in a SLURM job (batch or step)."""
-    return "SLURM_JOB_ID" in os.environ
+    from torchrig.clusters import SlurmEnvironment
+
+    return SlurmEnvironment.job_id(os.environ) is not None
 
 
 def _one_signal(value: str | int | signal.Signals, what: str) -> signal.Signals:
@@ -277,38 +276,10 @@ def control_group() -> Any:
 _CONTROL: dict[str, Any] = {}
 
 
-def slurm_job_id() -> str | None:
-    """The id ``scontrol requeue`` takes for this job (``ARRAYJOB_TASK`` for an array task)."""
-    env = os.environ
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env.get("SLURM_JOB_ID")
-
-
-def requeue_slurm_job() -> str | None:
-    """Run ``scontrol requeue <job>``; None when it worked, else why not (to be printed)."""
-    job = slurm_job_id()
-    if job is None:
-        return "SLURM_JOB_ID is not set"
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        return "scontrol is not on PATH"
-    try:
-        done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as err:
-        return f"`scontrol requeue {job}` failed: {err}"
-    if done.returncode != 0:
-        return f"`scontrol requeue {job}` exited with {done.returncode}: {(done.stderr or done.stdout).strip()}"
-    return None
-
-
 def restart_count() -> int:
-    """How many times the launcher has restarted this job: torchrun's
-    ``TORCHELASTIC_RESTART_COUNT`` or SLURM's ``SLURM_RESTART_COUNT`` (0: the first run)."""
-    counts = []
-    for var in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        try:
-            counts.append(int(os.environ.get(var, "0")))
-        except ValueError:
-            print(f"torchrig: ignoring {var}={os.environ[var]!r} (not a number)", file=sys.stderr)
-    return max(counts, default=0)
+    """How many times a launcher has restarted this job: the largest of the counts the
+    registered launchers set (torchrun's ``TORCHELASTIC_RESTART_COUNT``, SLURM's
+    ``SLURM_RESTART_COUNT``; 0: the first run)."""
+    from torchrig.clusters import CLUSTER_ENVIRONMENTS
+
+    return CLUSTER_ENVIRONMENTS.restart_count()

@@ -264,7 +264,7 @@ def with_carried(kind: str, given: Any, acc: Accelerator) -> Any:
 
 def _launched_world_size() -> int:
     """The world size of a job started by torchrun/SLURM around this process (1 when none)."""
-    from torchrig.strategies.environment import detect_environment
+    from torchrig.clusters import detect_environment
 
     return detect_environment().world_size
 

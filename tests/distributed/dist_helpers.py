@@ -62,5 +62,24 @@ def assert_matches_reference(weights: dict[str, torch.Tensor]) -> None:
         assert torch.allclose(weights[key], value, atol=1e-5, rtol=1e-5), (key, (weights[key] - value).abs().max())
 
 
+def same_weights(a: Path, b: Path) -> None:
+    """The two saved state dicts are bitwise equal."""
+    wa, wb = torch.load(a), torch.load(b)
+    assert sorted(wa) == sorted(wb)
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+def torchrig_run_fit(tmp: Path, *extra: str, timeout: float = 100) -> Path:
+    """``torchrig run --devices 2`` (torchrun) of ``scripts/preempt_fit.py``, never interrupted:
+    the weights other launchers must match. Returns the saved weights' path."""
+    out = tmp / "torchrun.pt"
+    args = ["-m", "torchrig.cli", "run", "--devices", "2", "--accelerator", "cpu", str(SCRIPTS / "preempt_fit.py")]
+    done = run([*args, str(tmp / "torchrun"), str(out), *extra], timeout=timeout)
+    assert done.returncode == 0, explain(done)
+    assert "rank 0 of 2 launched by torchrun" in done.stdout, explain(done)
+    return out
+
+
 def explain(proc: subprocess.CompletedProcess[str]) -> str:
     return f"exit code {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"

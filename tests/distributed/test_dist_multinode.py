@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from dist_helpers import SCRIPTS, assert_matches_reference, env, explain, result
 
-from torchrig.strategies.environment import find_free_port
+from torchrig.strategies.launch import find_free_port
 
 pytestmark = pytest.mark.distributed
 

@@ -12,23 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from dist_helpers import SCRIPTS, env, explain, run
+from dist_helpers import SCRIPTS, env, explain, run, same_weights
 
-from torchrig.strategies.environment import find_free_port
+from torchrig.strategies.launch import find_free_port
 
 SCRIPT = str(SCRIPTS / "preempt_fit.py")
 
 
 def _fit(tmp: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
     return run([SCRIPT, str(tmp / name), str(tmp / f"{name}.pt"), "--launcher", *extra], timeout=90)
-
-
-def _same_weights(a: Path, b: Path) -> None:
-    wa, wb = torch.load(a), torch.load(b)
-    assert sorted(wa) == sorted(wb)
-    for key in wa:
-        assert torch.equal(wa[key], wb[key]), key  # bitwise
 
 
 @pytest.mark.distributed
@@ -56,7 +48,7 @@ def test_sigterm_to_rank_1_only_stops_both_at_one_step_and_the_resumed_run_is_bi
     clean = _fit(tmp_path, "clean")
     assert clean.returncode == 0, explain(clean)
     assert "rank 0 done at step 18" in clean.stdout and "rank 0 done at step 18" in resumed.stdout
-    _same_weights(tmp_path / "clean.pt", tmp_path / "stopped.pt")
+    same_weights(tmp_path / "clean.pt", tmp_path / "stopped.pt")
 
 
 @pytest.mark.distributed
@@ -141,7 +133,7 @@ def test_slurm_usr1_requeues_once_after_the_save_and_the_restarted_job_resumes_b
     reference = _srun(tmp_path, "reference", "reference")
     assert all(proc.returncode == 0 for proc in reference), explain(reference[0])
     assert record.read_text().count("requeue") == 1
-    _same_weights(tmp_path / "reference.pt", tmp_path / "requeued.pt")
+    same_weights(tmp_path / "reference.pt", tmp_path / "requeued.pt")
 
 
 @pytest.mark.distributed
@@ -197,7 +189,7 @@ def test_a_sigkilled_worker_restarted_by_torchrig_run_resumes_the_fit_by_itself_
     assert "rank 0 done at step 18" in proc.stdout, explain(proc)
     clean = _fit(tmp_path, "clean")
     assert clean.returncode == 0, explain(clean)
-    _same_weights(tmp_path / "clean.pt", tmp_path / "k.pt")
+    same_weights(tmp_path / "clean.pt", tmp_path / "k.pt")
 
 
 @pytest.mark.distributed

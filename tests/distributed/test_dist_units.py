@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import torchrig
+from torchrig.clusters import first_slurm_host
 from torchrig.strategies import STRATEGY_REGISTRY, DDPStrategy, FSDPStrategy, detect_environment
-from torchrig.strategies.environment import first_slurm_host
 
 _LAUNCHER_VARS = (
     "RANK",
@@ -124,20 +124,13 @@ def test_spawn_strategies_wait_for_launch() -> None:
         rig.strategy.setup_environment()
 
 
-def test_environment_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_process_torchrun_started_on_the_cpu_computes_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (each launcher's detection: tests/unit/test_clusters.py)
     assert detect_environment().kind == "none"
-    for k, v in {
-        "RANK": "3",
-        "LOCAL_RANK": "1",
-        "WORLD_SIZE": "4",
-        "MASTER_ADDR": "h",
-        "MASTER_PORT": "9",
-        "GROUP_RANK": "1",
-        "LOCAL_WORLD_SIZE": "2",
-    }.items():
+    launched = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "9"}
+    for k, v in launched.items():
         monkeypatch.setenv(k, v)
-    env = detect_environment()
-    assert (env.kind, env.global_rank, env.local_rank, env.node_rank, env.world_size) == ("torchrun", 3, 1, 1, 4)
+    assert detect_environment().kind == "torchrun"
     # a process that torchrun started on the CPU computes on the CPU whatever devices= said
     strategy = torchrig.resolve(accelerator="cpu").strategy
     assert strategy.root_device == torch.device("cpu") and strategy.world_size == 4

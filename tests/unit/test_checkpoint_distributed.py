@@ -101,7 +101,7 @@ def ddp_load_then_fsdp(folder: Path) -> None:
 # -- the test ---------------------------------------------------------------------------------
 def launch(phase: str, folder: Path, *, script: str = __file__, extra_env: dict[str, str] | None = None) -> None:
     """Run ``script PHASE FOLDER`` as the 2 ranks of a gloo process group (torchrun's variables)."""
-    from torchrig.strategies.environment import find_free_port
+    from torchrig.strategies.launch import find_free_port
 
     port = str(find_free_port())
     procs = []

@@ -16,7 +16,7 @@ from torchrig.cli import main
 pytestmark = pytest.mark.timeout(60)
 
 CPU_ONLY_BUILD = not (torch.version.cuda or getattr(torch.version, "hip", None) or getattr(torch.version, "xpu", None))
-SECTIONS = {"system", "torch", "torchrig", "accelerators", "distributed", "precision", "packages"}
+SECTIONS = {"system", "torch", "torchrig", "accelerators", "distributed", "cluster", "precision", "packages"}
 
 
 def run_json(capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
@@ -122,7 +122,7 @@ def test_one_broken_accelerator_does_not_hide_the_others(
 def test_every_section_failing_still_exits_zero(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for probe in ("system", "torch", "torchrig", "accelerators", "distributed", "precision", "packages"):
+    for probe in SECTIONS:
         monkeypatch.setattr(envinfo, f"probe_{probe}", lambda: 1 / 0)
     info = run_json(capsys)
     assert info == {key: {"error": "ZeroDivisionError: division by zero"} for key in SECTIONS}

@@ -61,7 +61,7 @@ def render(info: dict[str, Any], console: Any = None) -> None:
     summary.add_column("section", style="bold")
     summary.add_column("key")
     summary.add_column("value", overflow="fold")
-    for section in ("system", "torch", "torchrig", "precision", "distributed"):
+    for section in ("system", "torch", "torchrig", "precision", "distributed", "cluster"):
         data = info.get(section)
         if not isinstance(data, dict) or set(data) == {"error"}:
             summary.add_row(section, "error", _text(data))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from torchrig.clusters import ClusterEnvironment, detect_environment
 from torchrig.strategies.base import Strategy
 from torchrig.strategies.ddp import DDPStrategy
-from torchrig.strategies.environment import ClusterEnvironment, detect_environment
 from torchrig.strategies.fsdp import FSDPStrategy
 from torchrig.strategies.model_parallel import ModelParallelStrategy
 from torchrig.strategies.parallel import ParallelStrategy

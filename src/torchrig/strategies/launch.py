@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -34,9 +35,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torchrig.clusters import ClusterEnvironment
 from torchrig.devices import device_module
 from torchrig.preemption import Preempted, stopped_for_signal
-from torchrig.strategies.environment import ClusterEnvironment, find_free_port
 
 #: Set in processes started by :class:`SubprocessLauncher`: the pid of the rank-0 process.
 PARENT_PID_VAR = "TORCHRIG_PARENT_PID"
@@ -107,6 +108,14 @@ def rank_env(
     }
 
 
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def _rendezvous(num_nodes: int) -> tuple[str, int, int]:
     """``MASTER_ADDR``/``MASTER_PORT``/``NODE_RANK`` from the environment, or this host and a free port."""
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -175,6 +184,7 @@ class SubprocessLauncher:
             local_world_size=n,
             master_addr=addr,
             master_port=port,
+            reason=f"torchrig started local ranks 1..{n - 1} itself",
         )
 
     def _rendezvous(self) -> tuple[str, int, int]:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchrig.clusters import ClusterEnvironment, detect_environment
 from torchrig.strategies.base import Strategy, check_reduce_op
-from torchrig.strategies.environment import ClusterEnvironment, detect_environment
 from torchrig.strategies.hangs import collective
 from torchrig.strategies.launch import SubprocessLauncher, install_failure_report, spawn, watch_parent
 from torchrig.strategies.shutdown import settle_at_exit
@@ -195,6 +195,12 @@ class ParallelStrategy(Strategy):
             attempt_store = dist.PrefixStore(f"torchrig/attempt_{self._attempt}/default_pg", self._job_store)
             dist.init_process_group(backend, store=attempt_store, rank=rank, world_size=world, timeout=self.timeout)
             return
+        if env.kind != "torchrun" and (env.master_addr is None or not env.master_port):
+            raise ValueError(
+                f"the {env.kind} launcher gave rank {rank} of {world} no rendezvous address "
+                f"(MASTER_ADDR={env.master_addr}, MASTER_PORT={env.master_port}); set MASTER_ADDR to rank 0's "
+                "host and MASTER_PORT to a free port for every process (mpirun -x MASTER_ADDR=host -x MASTER_PORT=port)"
+            )
         init = "env://" if env.kind == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=self.timeout)
 

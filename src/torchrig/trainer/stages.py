@@ -17,9 +17,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
+from torchrig.clusters import CLUSTER_ENVIRONMENTS
 from torchrig.data import RigDataLoader
 from torchrig.nested import apply_to_tensors
-from torchrig.preemption import Preempted, SignalWatch, requeue_slurm_job, restart_count
+from torchrig.preemption import Preempted, SignalWatch, restart_count
 from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
 from torchrig.trainer import debugging, loops, settings
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
@@ -257,9 +258,9 @@ def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
 
 
 def _requeue(tr: Trainer) -> bool:
-    """Rank 0 runs ``scontrol requeue`` (the checkpoint is committed by now); every rank learns
-    whether it worked."""
-    why = requeue_slurm_job() if tr.is_global_zero else None
+    """Rank 0 requeues the scheduler job (``scontrol requeue`` under SLURM; the checkpoint is
+    committed by now); every rank learns whether it worked."""
+    why = CLUSTER_ENVIRONMENTS.requeue() if tr.is_global_zero else None
     if why is not None:
         print(f"torchrig: could not requeue the job: {why}", file=sys.stderr)
     return bool(tr.rig.broadcast(why is None))

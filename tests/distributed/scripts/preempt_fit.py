@@ -11,7 +11,8 @@ environment (torchrun, or SLURM variables set by the test as ``srun`` would). ``
 rank 0 creates FILE after step 3, for a test that signals from outside; ``--step-sleep S`` slows
 every batch down. ``--kill-at N``: rank 1 SIGKILLs itself at step N of the first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0); ``--save-every N``: a ``ModelCheckpoint`` every N steps. Rank 0 writes the final
-weights to OUT; every rank prints ``rank R saved step S`` from ``last`` when the fit stops.
+weights to OUT; every rank prints ``rank R of W launched by KIND`` (the detected launcher) first,
+and ``rank R saved step S`` from ``last`` when the fit stops.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Signal(torchrig.Callback):
             time.sleep(2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
     parser.add_argument("out")
@@ -70,7 +71,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself at this step (first attempt)")
     parser.add_argument("--save-every", type=int, default=0, help="a checkpoint every this many steps")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
@@ -88,6 +89,8 @@ def main() -> None:
         + ([torchrig.ModelCheckpoint(every_n_train_steps=args.save_every, save_last=True)] if args.save_every else []),
         num_sanity_val_steps=0,
     )
+    launcher = torchrig.detect_environment()
+    print(f"rank {launcher.global_rank} of {launcher.world_size} launched by {launcher.kind}", flush=True)
     try:
         trainer.fit(module, loader(48, batch_size=4, shuffle=True), ckpt_path="last" if args.resume else None)
     except torchrig.Preempted as stop:
