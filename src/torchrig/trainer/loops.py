@@ -10,12 +10,13 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from torchrig.data import length_of
 from torchrig.preemption import Preempted
 from torchrig.trainer.items import ItemWindow
 from torchrig.trainer.metrics import MetricStore, to_floats
@@ -54,15 +55,6 @@ def loss_of(output: Any) -> torch.Tensor | None:
         f"training_step returned {type(output).__name__}; return the loss tensor, a dict with a 'loss' "
         "tensor, or None to skip the batch"
     )
-
-
-def length_of(loader: Any) -> int | float:
-    """``len(loader)``, or ``inf`` for one without a length (a DataLoader over an IterableDataset
-    without ``__len__`` has ``__len__`` but raises TypeError)."""
-    try:
-        return len(loader) if isinstance(loader, Sized) else math.inf
-    except TypeError:
-        return math.inf
 
 
 def num_batches(loader: Any, limit: int | float) -> int | float:

@@ -1,10 +1,5 @@
-"""Prepared dataloaders: batches on the device, a resumable position, and sharding.
-
-A prepared loader yields batches already on ``rig.device``. Shuffled (or distributed) loaders
-get a :class:`ResumableSampler` whose order depends only on ``(seed, epoch)``, so a run resumed
-from a checkpoint sees exactly the batches the uninterrupted run would have seen, and N
-processes together see the same global batches as one process.
-"""
+"""The prepared loader (:class:`RigDataLoader`) and rebuilding a user's DataLoader with a
+:class:`~torchrig.data.samplers.ResumableSampler`."""
 
 from __future__ import annotations
 
@@ -14,66 +9,37 @@ from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from torchrig.data.samplers import ResumableSampler, ResumedIndices
 from torchrig.nested import move_batch
 
 
-class ResumableSampler(Sampler[int]):
-    """A permutation per ``(seed, epoch)``, split across ``num_replicas`` ranks, able to skip ahead.
+def length_of(loader: Any) -> int | float:
+    """``len(loader)``, or ``inf`` for one without a length (a DataLoader over an IterableDataset
+    without ``__len__`` has ``__len__`` but raises TypeError)."""
+    try:
+        return len(loader) if isinstance(loader, Sized) else math.inf
+    except TypeError:
+        return math.inf
 
-    With ``num_replicas=R`` rank ``r`` takes every R-th index starting at ``r``, so the
-    per-rank batches of one step together hold the same samples as the single-process batch
-    of ``R`` times the size (the dataset is padded by repeating indices when it does not split
-    evenly, unless ``drop_last``).
-    """
 
-    def __init__(
-        self,
-        data_source: Sized,
-        *,
-        shuffle: bool,
-        seed: int,
-        num_replicas: int = 1,
-        rank: int = 0,
-        drop_last: bool = False,
-    ) -> None:
-        self.data_source = data_source
-        self.shuffle = shuffle
-        self.seed = seed
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.drop_last = drop_last
-        self.epoch = 0
-        self.skip = 0
-        n = len(data_source)
-        if drop_last and n % num_replicas:
-            self.num_samples = n // num_replicas
-        else:
-            self.num_samples = math.ceil(n / num_replicas)
-        self.total_size = self.num_samples * num_replicas
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes (0 and 1 without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
-    def indices(self) -> list[int]:
-        n = len(self.data_source)
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        if self.total_size > n:
-            order += (order * math.ceil(self.total_size / n))[: self.total_size - n]
-        order = order[: self.total_size]
-        return order[self.rank : self.total_size : self.num_replicas]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices()[self.skip :])
-
-    def __len__(self) -> int:
-        return self.num_samples - self.skip
+def every_rank(value: Any) -> list[Any]:
+    """``value`` of every rank, rank by rank (a collective when there are several)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return [value]
+    values: list[Any] = [None] * world
+    dist.all_gather_object(values, value)
+    return values
 
 
 def loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
@@ -131,11 +97,17 @@ class RigDataLoader:
 
     ``on_batch`` (optional) is called with the loader each time it yields a batch.
 
-    ``len()``, ``dataset``, ``batch_size`` and ``sampler`` come from the wrapped loader. Each
-    ``iter()`` starts a new epoch (``set_epoch`` is called for you); ``state_dict`` records the
-    epoch and how many batches of it were consumed (and, for a :class:`ResumableSampler`, how
-    many samples of the global order), and ``load_state_dict`` makes the next ``iter()``
-    continue right after them, also under another number of processes or batch size.
+    ``len()``, ``dataset``, ``batch_size`` and ``sampler`` come from the wrapped loader; ``len()``
+    is always the whole epoch's, also in a resumed epoch. Each ``iter()`` starts a new epoch
+    (``set_epoch`` is called for you) and records torch's RNG state at its start (the state the
+    DataLoader draws its workers' seed and a random sampler its order from); ``state_dict``
+    records that state, the epoch and how many batches of it were consumed (and, for a
+    :class:`ResumableSampler`, how many samples of the global order), and ``load_state_dict``
+    makes the next ``iter()`` draw the same epoch again and continue right after them, also
+    under another number of processes or batch size.
+
+    A map-style loader skips the consumed batches as indices: no sample of them is read. A loader
+    over an ``IterableDataset`` has no indices to skip: it reads the consumed batches again.
     """
 
     def __init__(
@@ -155,6 +127,8 @@ class RigDataLoader:
         #: (the Rig that prepared the loader records it as its ``current_loader``).
         self.on_batch = on_batch
         self._resume_at: tuple[int, int] | None = None
+        #: torch's RNG state (and the loader's own generator's) when the current epoch started.
+        self._epoch_rng: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -174,42 +148,63 @@ class RigDataLoader:
             self._resume_at = None
         else:
             self.epoch, skip = self.epoch + 1, 0
-        resuming_mid_epoch = skip > 0
         sampler = self.loader.sampler
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
-        if isinstance(sampler, ResumableSampler):
-            sampler.skip = skip * (self.loader.batch_size or 1)
-            self.batches_seen = skip
-            skip = 0
+        self.batches_seen = skip
+        if skip:
+            it = self._resumed_epoch(skip)
         else:
-            self.batches_seen = 0
+            generator = self.loader.generator
+            self._epoch_rng = {
+                "torch": torch.get_rng_state(),
+                "generator": None if generator is None else generator.get_state(),
+            }
+            it = iter(self.loader)
         device = self.device
         non_blocking = device.type not in ("cpu", "mps")  # as move_to_device decides, once per epoch
-        if resuming_mid_epoch:
-            # DataLoader draws a base seed from torch's RNG when an epoch starts; the run being
-            # resumed already made that draw (the restored RNG state is after it), so don't repeat it.
-            with torch.random.fork_rng(devices=[]):
-                it = iter(self.loader)
-        else:
-            it = iter(self.loader)
-        try:
-            for _ in range(skip):  # a loader we could not rebuild: skip by reading
-                next(it)
-                self.batches_seen += 1
-            move = device.type != "cpu"  # a DataLoader makes its batches on the CPU: nothing to move there
-            on_batch = self.on_batch
-            for batch in it:
-                self.batches_seen += 1
-                if on_batch is not None:
-                    on_batch(self)
-                yield move_batch(batch, device, non_blocking) if move else batch
-        finally:
-            if isinstance(sampler, ResumableSampler):
-                sampler.skip = 0
+        move = device.type != "cpu"  # a DataLoader makes its batches on the CPU: nothing to move there
+        on_batch = self.on_batch
+        for batch in it:
+            self.batches_seen += 1
+            if on_batch is not None:
+                on_batch(self)
+            yield move_batch(batch, device, non_blocking) if move else batch
+
+    def _resumed_epoch(self, skip: int) -> Iterator[Any]:
+        """The current epoch after its first ``skip`` batches, drawn as the epoch first was.
+
+        Torch's RNG is set to the epoch's starting state while the epoch's iterator starts (the
+        workers' seed and a random sampler's order are drawn then) and given back after, so the
+        RNG stream of the run continues from the checkpoint's state."""
+        loader, rng = self.loader, self._epoch_rng
+        if rng is not None and rng.get("generator") is not None and loader.generator is not None:
+            loader.generator.set_state(rng["generator"])
+        with torch.random.fork_rng(devices=[]):
+            if rng is not None:
+                torch.set_rng_state(rng["torch"])
+            # Without the epoch's state (a checkpoint from before it was saved), the DataLoader's
+            # draw is not repeated: the restored RNG state is already after it.
+            if isinstance(loader.dataset, IterableDataset):
+                it = iter(loader)
+                for _ in range(skip):  # no index to skip: read the consumed batches again
+                    next(it)
+                return it
+            batches = loader.batch_sampler
+            indices = ResumedIndices(loader.sampler if batches is None else batches, skip)
+            kw = loader_kwargs(loader)
+            if batches is not None:
+                one_epoch = DataLoader(loader.dataset, batch_sampler=indices, **kw)
+            else:
+                one_epoch = DataLoader(loader.dataset, sampler=indices, batch_size=None, **kw)
+            it = iter(one_epoch)
+            indices.start()  # the order is drawn here, from the epoch's state
+            return it
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the next batch comes from: ``epoch``, ``batches_seen`` (this rank's) and ``seed``.
+        """Where the next batch comes from: ``epoch``, ``batches_seen`` (this rank's), ``seed``
+        and ``epoch_rng`` (each rank's RNG state when the epoch started, and the loader's
+        generator's: a collective when there are several processes).
 
         A loader with a :class:`ResumableSampler` also records ``samples_seen``, the samples
         of the epoch's global order that all ranks together consumed (``len(dataset)`` once the
@@ -217,6 +212,8 @@ class RigDataLoader:
         another number of processes or batch size resumes at the same place in the data.
         """
         state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
+        if self._epoch_rng is not None:
+            state["epoch_rng"] = every_rank(self._epoch_rng)
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             batch_size = self.loader.batch_size or 1
@@ -238,12 +235,15 @@ class RigDataLoader:
         """
         epoch, seen = int(state["epoch"]), int(state["batches_seen"])
         self.seed = int(state.get("seed", self.seed))
+        rngs = state.get("epoch_rng")
+        rank, world = rank_and_world()
+        self._epoch_rng = rngs[rank] if rngs and len(rngs) == world else None
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             sampler.seed = self.seed
             if "samples_seen" in state and epoch >= 0:
                 epoch, seen = self._batches_for(state, epoch, sampler)
-        if epoch >= 0 and seen >= len(self.loader):
+        if epoch >= 0 and seen >= length_of(self.loader):
             epoch, seen = epoch + 1, 0
         self._resume_at = (max(epoch, 0), seen)
         self.epoch, self.batches_seen = epoch, seen

@@ -1,0 +1,16 @@
+"""Prepared dataloaders: batches on the device, an exact resumable position, and sharding.
+
+A prepared loader yields batches already on ``rig.device``. Shuffled (or distributed) loaders
+get a :class:`ResumableSampler` whose order depends only on ``(seed, epoch)``, so N processes
+together see the same global batches as one process; every loader records where its epoch
+started and how far it got, so a run resumed from a checkpoint sees exactly the batches the
+uninterrupted run would have seen (docs/data.md says what is exact for each kind of pipeline).
+
+- ``samplers``: the index orders (:class:`ResumableSampler`, the skipped rest of an epoch);
+- ``loader``: :class:`RigDataLoader` and rebuilding a user's DataLoader.
+"""
+
+from torchrig.data.loader import RigDataLoader, length_of, loader_kwargs, rebuild_with_sampler
+from torchrig.data.samplers import ResumableSampler, ResumedIndices
+
+__all__ = ["ResumableSampler", "ResumedIndices", "RigDataLoader", "length_of", "loader_kwargs", "rebuild_with_sampler"]

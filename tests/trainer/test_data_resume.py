@@ -1,0 +1,113 @@
+"""A fit stopped and resumed from ``last`` (any number of times, anywhere in an epoch) trains the
+same batches and ends with the same weights, bitwise, as the fit that was never stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import torchrig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Samples(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """``(id, x, y)``; counts ``__getitem__`` calls."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        return torch.tensor(i), self.x[i], self.y[i]
+
+
+class IdRegressor(torchrig.TrainingModule):
+    """Trains on ``(id, x, y)`` batches with dropout (the RNG stream must continue exactly) and
+    records the ids of every batch it trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.25), torch.nn.Linear(8, 1))
+        self.trained: list[list[int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, x, y = batch
+        self.trained.append(ids.tolist())
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        _, x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def fit_in_pieces(
+    tmp_path: Path,
+    make_loader: Callable[[], DataLoader[Any]],
+    stops: list[int],
+    *,
+    max_epochs: int = 1,
+    **trainer_kwargs: Any,
+) -> tuple[list[list[int]], dict[str, torch.Tensor], dict[str, Any]]:
+    """Fit for ``max_epochs``, stopping at each global step of ``stops`` (``max_steps``, a
+    checkpoint every step) and resuming from ``last``: the batch ids trained, the final weights
+    and the optimizer state."""
+    trained: list[list[int]] = []
+    module = IdRegressor()
+    for max_steps in [*stops, -1]:
+        torch.manual_seed(0)
+        module = IdRegressor()
+        trainer = torchrig.Trainer(
+            accelerator="cpu",
+            devices=1,
+            seed=7,
+            max_epochs=max_epochs,
+            max_steps=max_steps,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=False,
+            default_root_dir=tmp_path,
+            num_sanity_val_steps=0,
+            callbacks=[torchrig.ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_last=True)],
+            **trainer_kwargs,
+        )
+        trainer.fit(module, make_loader(), ckpt_path="last" if (tmp_path / "ck" / "last").exists() else None)
+        trained += module.trained
+    weights = {k: v.clone() for k, v in module.state_dict().items()}
+    return trained, weights, trainer.optimizers[0].state_dict()
+
+
+def assert_same_fit(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> None:
+    assert a[0] == b[0]  # the batches trained, in order
+    assert a[1].keys() == b[1].keys()
+    assert all(torch.equal(a[1][k], b[1][k]) for k in a[1])  # bitwise
+    sa, sb = a[2]["state"], b[2]["state"]
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[p][k], sb[p][k]) for p in sa for k in sa[p])
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_three_resumes_inside_one_epoch_train_every_batch_once(tmp_path: Path, shuffle: bool) -> None:
+    # 10 batches an epoch. Issue 28 item 2: resumed at batch 4, the save at batch 7 (>= 10 - 4)
+    # was taken as the end of the epoch and the resume from it skipped batches 8 to 10.
+    def make() -> DataLoader[Any]:
+        return DataLoader(Samples(40), batch_size=4, shuffle=shuffle)
+
+    whole = fit_in_pieces(tmp_path / "whole", make, [], max_epochs=2)
+    pieces = fit_in_pieces(tmp_path / "pieces", make, [4, 7, 9, 13], max_epochs=2)
+    assert len(whole[0]) == 20
+    assert_same_fit(whole, pieces)
