@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 import torchrig
 
@@ -111,3 +119,54 @@ def test_three_resumes_inside_one_epoch_train_every_batch_once(tmp_path: Path, s
     pieces = fit_in_pieces(tmp_path / "pieces", make, [4, 7, 9, 13], max_epochs=2)
     assert len(whole[0]) == 20
     assert_same_fit(whole, pieces)
+
+
+def _weighted() -> DataLoader[Any]:
+    return DataLoader(Samples(40), batch_size=4, sampler=WeightedRandomSampler(torch.rand(40) + 0.1, 40))
+
+
+def _with_replacement() -> DataLoader[Any]:
+    data = Samples(40)
+    return DataLoader(data, batch_size=4, sampler=RandomSampler(data, replacement=True))
+
+
+def _subset() -> DataLoader[Any]:
+    return DataLoader(Samples(40), batch_size=4, sampler=SubsetRandomSampler(list(range(0, 40, 1))))
+
+
+@pytest.mark.parametrize("make", [_weighted, _with_replacement, _subset], ids=["weighted", "replacement", "subset"])
+def test_samplers_drawing_from_the_global_rng_resume_exactly(tmp_path: Path, make: Any) -> None:
+    # The order is drawn from torch's RNG at iter(): a resumed epoch draws it again from the
+    # state the epoch started with (saved in the checkpoint), not from the restored, later one.
+    whole = fit_in_pieces(tmp_path / "whole", make, [], max_epochs=2)
+    pieces = fit_in_pieces(tmp_path / "pieces", make, [3, 5, 8, 12], max_epochs=2)
+    assert whole[0][0] != sorted(whole[0][0]) or whole[0][:10] != whole[0][10:]  # really random
+    assert_same_fit(whole, pieces)
+
+
+def test_a_map_style_loader_with_workers_resumes_exactly(tmp_path: Path) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Samples(24), batch_size=4, shuffle=True, num_workers=2)
+
+    whole = fit_in_pieces(tmp_path / "whole", make, [])
+    pieces = fit_in_pieces(tmp_path / "pieces", make, [2, 3, 5])
+    assert_same_fit(whole, pieces)
+
+
+@pytest.mark.parametrize("how", ["shuffle", "weighted", "batch_sampler"])
+def test_resume_near_the_end_of_an_epoch_reads_only_what_it_trains_on(tmp_path: Path, how: str) -> None:
+    data = Samples(400)
+
+    def make() -> DataLoader[Any]:
+        if how == "shuffle":
+            return DataLoader(data, batch_size=4, shuffle=True)
+        if how == "weighted":
+            return DataLoader(data, batch_size=4, sampler=WeightedRandomSampler(torch.ones(400), 400))
+
+        class MyBatches(BatchSampler):  # a custom batch sampler: prepare() cannot rebuild it
+            pass
+
+        return DataLoader(data, batch_sampler=MyBatches(SequentialSampler(data), batch_size=4, drop_last=False))
+
+    fit_in_pieces(tmp_path, make, [95], max_epochs=1)
+    assert data.reads == 100 * 4  # 95 batches before the stop, 5 after it: none read twice

@@ -73,9 +73,9 @@ class ResumedIndices:
     batching) after its first ``skip`` items: skipped as indices, no sample is read for them.
 
     :meth:`start` draws the epoch's order (a sampler drawing from torch's RNG draws then) and
-    skips; the loader calls it while the RNG holds the epoch's starting state. Every ``iter()``
-    continues the same started order, as a DataLoader may call ``iter()`` on its index sampler
-    more than once per epoch."""
+    skips; the loader calls it right after it starts the epoch's DataLoader iterator, while the
+    RNG holds the epoch's state. Every ``iter()`` continues the same started order, as a
+    DataLoader may call ``iter()`` on its index sampler more than once per epoch."""
 
     def __init__(self, index_sampler: Iterable[Any], skip: int) -> None:
         self.index_sampler = index_sampler
@@ -90,9 +90,11 @@ class ResumedIndices:
                     break
 
     def __iter__(self) -> Iterator[Any]:
+        # Lazy, as a sampler's own iterator is: the DataLoader calls iter() before it draws the
+        # workers' seed, and a sampler draws its order only at the first next(), after that seed.
         self.start()
         assert self._it is not None
-        return self._it
+        yield from self._it
 
     def __len__(self) -> int:
         return max(len(self.index_sampler) - self.skip, 0)  # type: ignore[arg-type]
