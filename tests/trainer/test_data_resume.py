@@ -13,10 +13,12 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     Dataset,
+    IterableDataset,
     RandomSampler,
     SequentialSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
+    get_worker_info,
 )
 
 import torchrig
@@ -51,12 +53,12 @@ class IdRegressor(torchrig.TrainingModule):
         self.trained: list[list[int]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        ids, x, y = batch
+        ids, x, y = (batch["id"], batch["x"], batch["y"]) if isinstance(batch, dict) else batch
         self.trained.append(ids.tolist())
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        _, x, y = batch
+        _, x, y = (batch["id"], batch["x"], batch["y"]) if isinstance(batch, dict) else batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
 
     def configure_optimizers(self) -> Any:
@@ -170,3 +172,108 @@ def test_resume_near_the_end_of_an_epoch_reads_only_what_it_trains_on(tmp_path: 
 
     fit_in_pieces(tmp_path, make, [95], max_epochs=1)
     assert data.reads == 100 * 4  # 95 batches before the stop, 5 after it: none read twice
+
+
+class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """``(id, x, y)`` of ``n`` samples, no ``__len__``; each worker reads every ``num_workers``-th
+    sample. With ``stateful``, its position is ``state_dict``/``load_state_dict`` (in a worker,
+    that worker's position)."""
+
+    def __init__(self, n: int, stateful: bool = True) -> None:
+        self.data, self.pos = Samples(n), 0
+        if not stateful:
+            self.state_dict = None  # type: ignore[assignment]
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        while (i := self.pos * workers + worker) < len(self.data):
+            self.pos += 1
+            yield self.data[i]
+        self.pos = 0  # the next epoch starts from the beginning
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_stream_without_length_trains_and_resumes_exactly(tmp_path: Path, workers: int) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Stream(40), batch_size=4, num_workers=workers)
+
+    whole = fit_in_pieces(tmp_path / "whole", make, [], max_epochs=2)
+    assert sorted(i for b in whole[0][:10] for i in b) == list(range(40))  # an epoch ends with the stream
+    pieces = fit_in_pieces(tmp_path / "pieces", make, [2, 5, 7, 13], max_epochs=2)
+    assert_same_fit(whole, pieces)
+
+
+def test_a_stream_without_position_is_read_again_with_a_warning(tmp_path: Path) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Stream(40, stateful=False), batch_size=4)
+
+    whole = fit_in_pieces(tmp_path / "whole", make, [])
+    with pytest.warns(UserWarning) as caught:
+        pieces = fit_in_pieces(tmp_path / "pieces", make, [6])
+    said = [str(w.message) for w in caught if "throws them away" in str(w.message)]
+    assert said == [
+        "resuming the Stream of this loader reads the 6 batches it already trained on again and throws them away, "
+        "as Stream keeps no position torchrig can save; to resume without reading them, give it state_dict() and "
+        "load_state_dict() (its position in the stream; docs/data.md shows how)"
+    ]
+    assert_same_fit(whole, pieces)
+
+
+def _hf_stream() -> Any:
+    from datasets import Dataset
+
+    data = Samples(40)
+    table = {"id": list(range(40)), "x": data.x.tolist(), "y": data.y.tolist()}
+    return Dataset.from_dict(table).to_iterable_dataset(num_shards=4).with_format("torch")
+
+
+def test_a_hugging_face_stream_with_workers_resumes_exactly(tmp_path: Path) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(_hf_stream(), batch_size=4, num_workers=2)
+
+    whole = fit_in_pieces(tmp_path / "whole", make, [])
+    assert sorted(i for b in whole[0] for i in b) == list(range(40))
+    pieces = fit_in_pieces(tmp_path / "pieces", make, [2, 5, 7])
+    assert_same_fit(whole, pieces)
+
+
+def test_validation_at_the_end_of_an_epoch_of_a_stream_and_fractions_refused(tmp_path: Path) -> None:
+    module = IdRegressor()
+    trainer = torchrig.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, DataLoader(Stream(16), batch_size=4), DataLoader(Samples(8), batch_size=4))
+    assert trainer.global_step == 8 and "val_loss" in trainer.callback_metrics
+    fraction = torchrig.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        val_check_interval=0.5,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+    )
+    with pytest.raises(ValueError) as err:
+        fraction.fit(IdRegressor(), DataLoader(Stream(16), batch_size=4), DataLoader(Samples(8), batch_size=4))
+    assert str(err.value) == (
+        "val_check_interval=0.5 is a fraction of the epoch, but the training dataloader has no length (an "
+        "IterableDataset without __len__); give an int number of batches between checks"
+    )
+    fraction.fit(IdRegressor(), DataLoader(Stream(16), batch_size=4))  # no validation: nothing to refuse
+    assert fraction.global_step == 4

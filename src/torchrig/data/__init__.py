@@ -7,10 +7,22 @@ started and how far it got, so a run resumed from a checkpoint sees exactly the 
 uninterrupted run would have seen (docs/data.md says what is exact for each kind of pipeline).
 
 - ``samplers``: the index orders (:class:`ResumableSampler`, the skipped rest of an epoch);
+- ``iterable``: iterable datasets: their position through torchdata's StatefulDataLoader, and
+  each process's share of a stream;
 - ``loader``: :class:`RigDataLoader` and rebuilding a user's DataLoader.
 """
 
+from torchrig.data.iterable import SHARD_HOOK, rebuild_iterable
 from torchrig.data.loader import RigDataLoader, length_of, loader_kwargs, rebuild_with_sampler
 from torchrig.data.samplers import ResumableSampler, ResumedIndices
 
-__all__ = ["ResumableSampler", "ResumedIndices", "RigDataLoader", "length_of", "loader_kwargs", "rebuild_with_sampler"]
+__all__ = [
+    "SHARD_HOOK",
+    "ResumableSampler",
+    "ResumedIndices",
+    "RigDataLoader",
+    "length_of",
+    "loader_kwargs",
+    "rebuild_iterable",
+    "rebuild_with_sampler",
+]

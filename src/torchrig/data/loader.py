@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from torchrig.data.iterable import is_stateful, is_stateful_loader
 from torchrig.data.samplers import ResumableSampler, ResumedIndices
 from torchrig.nested import move_batch
 
@@ -107,7 +108,9 @@ class RigDataLoader:
     under another number of processes or batch size.
 
     A map-style loader skips the consumed batches as indices: no sample of them is read. A loader
-    over an ``IterableDataset`` has no indices to skip: it reads the consumed batches again.
+    over an ``IterableDataset`` in a ``torchdata`` StatefulDataLoader (what ``prepare`` makes of
+    one whose dataset has ``state_dict``/``load_state_dict``) saves and restores the dataset's own
+    position, in its workers too; any other iterable loader reads the consumed batches again.
     """
 
     def __init__(
@@ -129,6 +132,8 @@ class RigDataLoader:
         self._resume_at: tuple[int, int] | None = None
         #: torch's RNG state (and the loader's own generator's) when the current epoch started.
         self._epoch_rng: dict[str, Any] | None = None
+        #: The StatefulDataLoader's state to continue from at the next (resumed) ``iter()``.
+        self._loader_state: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -148,13 +153,15 @@ class RigDataLoader:
             self._resume_at = None
         else:
             self.epoch, skip = self.epoch + 1, 0
-        sampler = self.loader.sampler
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)
+        for order in (self.loader.sampler, self.loader.dataset):  # a Hugging Face stream's shuffle too
+            set_epoch = getattr(order, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
         self.batches_seen = skip
         if skip:
             it = self._resumed_epoch(skip)
         else:
+            self._loader_state = None
             generator = self.loader.generator
             self._epoch_rng = {
                 "torch": torch.get_rng_state(),
@@ -186,8 +193,13 @@ class RigDataLoader:
             # Without the epoch's state (a checkpoint from before it was saved), the DataLoader's
             # draw is not repeated: the restored RNG state is already after it.
             if isinstance(loader.dataset, IterableDataset):
+                if self._loader_state is not None:  # the dataset's (and workers') own position
+                    loader.load_state_dict(self._loader_state)  # type: ignore[attr-defined]
+                    self._loader_state = None
+                    return iter(loader)
+                self._warn_replay(skip)
                 it = iter(loader)
-                for _ in range(skip):  # no index to skip: read the consumed batches again
+                for _ in range(skip):  # no index to skip, no position: read the consumed batches again
                     next(it)
                 return it
             batches = loader.batch_sampler
@@ -200,6 +212,20 @@ class RigDataLoader:
             it = iter(one_epoch)
             indices.start()  # the order is drawn here, from the epoch's state
             return it
+
+    def _warn_replay(self, skip: int) -> None:
+        dataset = self.loader.dataset
+        name = type(dataset).__name__
+        fix = (
+            "install torchdata (prepare() then runs it in a StatefulDataLoader, which saves that position)"
+            if is_stateful(dataset)
+            else "give it state_dict() and load_state_dict() (its position in the stream; docs/data.md shows how)"
+        )
+        warnings.warn(
+            f"resuming the {name} of this loader reads the {skip} batches it already trained on again and throws "
+            f"them away, as {name} keeps no position torchrig can save; to resume without reading them, {fix}",
+            stacklevel=4,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch comes from: ``epoch``, ``batches_seen`` (this rank's), ``seed``
@@ -214,6 +240,10 @@ class RigDataLoader:
         state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
         if self._epoch_rng is not None:
             state["epoch_rng"] = every_rank(self._epoch_rng)
+        if isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader):
+            with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
+                position = self.loader.state_dict()  # type: ignore[attr-defined]
+            state["loader_state"] = every_rank(position)
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             batch_size = self.loader.batch_size or 1
@@ -238,6 +268,16 @@ class RigDataLoader:
         rngs = state.get("epoch_rng")
         rank, world = rank_and_world()
         self._epoch_rng = rngs[rank] if rngs and len(rngs) == world else None
+        positions = state.get("loader_state")
+        if positions is not None and is_stateful_loader(self.loader):
+            if len(positions) != world:
+                raise ValueError(
+                    f"the checkpoint's {type(self.loader.dataset).__name__} stream was saved by {len(positions)} "
+                    f"processes, each at its own position in its share of the stream; this run has {world}. "
+                    f"Resume it with {len(positions)} processes: a position in one share of a stream does not say "
+                    "where another number of shares would be"
+                )
+            self._loader_state = positions[rank]
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             sampler.seed = self.seed

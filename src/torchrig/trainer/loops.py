@@ -180,8 +180,8 @@ class Run(RunState):
     def run_batches(self, batches: Iterator[Any], n: int | float) -> None:
         tr = self.trainer
         state = tr.fit_state
-        val_every = self.val_check_batches(n)
         validate_epoch = self.has_validation() and (state.epoch + 1) % tr.check_val_every_n_epoch == 0
+        val_every = self.val_check_batches(n) if validate_epoch else 0  # asked only when a check is scheduled
         one_batch, validate = self.batch_runner(), self.validate_in_fit
         if tr.profiler is not None:  # once per epoch: the same loop, its callables timed
             batches, validate = tr.profiler.wrap_batches(batches), tr.profiler.wrap(VALIDATION, validate)
@@ -202,7 +202,7 @@ class Run(RunState):
         one_batch: Callable[[Any, int, bool], Any],
         validate: Callable[[], None],
         validate_epoch: bool,
-        val_every: int,
+        val_every: int | float,
         due: float,
     ) -> float:
         """The batches of one epoch (inside the training step's log sink); when the sparse hooks are next due.
@@ -246,6 +246,10 @@ class Run(RunState):
                     stop_at_step(stop)
                 break
             batch_idx += 1
+        else:  # the iterator ended: a loader without a length has reached the end of its epoch
+            if val_at_last and validate_epoch and math.isinf(n) and state.batch_idx and not state.val_pending:
+                state.val_pending = True
+                validate()
         return due
 
     def batch_runner(self) -> Callable[[Any, int, bool], Any]:
