@@ -3,6 +3,7 @@ same batches and ends with the same weights, bitwise, as the fit that was never 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ def fit_in_pieces(
     stops: list[int],
     *,
     max_epochs: int = 1,
+    module_class: type[IdRegressor] = IdRegressor,
     **trainer_kwargs: Any,
 ) -> tuple[list[list[int]], dict[str, torch.Tensor], dict[str, Any]]:
     """Fit for ``max_epochs``, stopping at each global step of ``stops`` (``max_steps``, a
@@ -80,7 +82,7 @@ def fit_in_pieces(
     module = IdRegressor()
     for max_steps in [*stops, -1]:
         torch.manual_seed(0)
-        module = IdRegressor()
+        module = module_class()
         trainer = torchrig.Trainer(
             accelerator="cpu",
             devices=1,
@@ -277,3 +279,64 @@ def test_validation_at_the_end_of_an_epoch_of_a_stream_and_fractions_refused(tmp
     )
     fraction.fit(IdRegressor(), DataLoader(Stream(16), batch_size=4))  # no validation: nothing to refuse
     assert fraction.global_step == 4
+
+
+class Sized(IdRegressor):
+    """Records ``estimated_stepping_batches`` as ``configure_optimizers`` sees it."""
+
+    def configure_optimizers(self) -> Any:
+        self.estimate = self.trainer.estimated_stepping_batches
+        return super().configure_optimizers()
+
+
+@pytest.mark.parametrize(
+    ("stream", "kwargs", "expected"),
+    [
+        (False, {"max_epochs": 2, "accumulate_grad_batches": 3}, 8),  # 10 batches: ceil(10 / 3) = 4 steps an epoch
+        (False, {"max_epochs": 2, "max_steps": 5}, 5),
+        (False, {"max_epochs": 2, "limit_train_batches": 4}, 8),
+        (True, {"max_epochs": 1}, math.inf),  # a stream's length is unknown
+        (True, {"max_epochs": -1, "max_steps": 7}, 7),
+    ],
+)
+def test_estimated_stepping_batches_is_known_in_configure_optimizers(
+    tmp_path: Path, stream: bool, kwargs: dict[str, Any], expected: float
+) -> None:
+    module = Sized()
+    trainer = torchrig.Trainer(
+        accelerator="cpu", devices=1, enable_progress_bar=False, logger=False, enable_checkpointing=False,
+        default_root_dir=tmp_path, num_sanity_val_steps=0, **kwargs,
+    )  # fmt: skip
+    data = Stream(40) if stream else Samples(40)
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    assert module.estimate == expected
+    if not math.isinf(expected):
+        assert trainer.global_step == expected  # what the fit then took
+
+
+class Lengths(IdRegressor):
+    """Records the epoch's length as the Trainer and the loader give it at every batch."""
+
+    seen: list[tuple[float, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loader = self.trainer.run.train_loader
+        Lengths.seen.append((self.trainer.num_training_batches, len(loader)))
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_epoch_length_stays_the_whole_epoch_after_a_resume(tmp_path: Path) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Samples(40), batch_size=4, shuffle=True)
+
+    fit_in_pieces(tmp_path, make, [3, 6], module_class=Lengths)
+    assert Lengths.seen == [(10, 10)] * 10
+
+
+def test_prepare_draws_from_the_rng_only_for_a_shuffling_loader() -> None:
+    rig = torchrig.Rig(accelerator="cpu", devices=1)
+    before = torch.get_rng_state()
+    rig.prepare(DataLoader(Samples(8), batch_size=4))
+    assert torch.equal(torch.get_rng_state(), before)  # as the hand-written loop with the same seed
+    rig.prepare(DataLoader(Samples(8), batch_size=4, shuffle=True))
+    assert not torch.equal(torch.get_rng_state(), before)  # the shuffle seed (seed_everything fixes it)
