@@ -53,6 +53,7 @@ class TermAt(torchrig.Callback):
 
 
 def fit(root: Path, term_at: list[int], async_save: bool, devices: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     module = Recorder(root)
     trainer = torchrig.Trainer(
@@ -64,7 +65,7 @@ def fit(root: Path, term_at: list[int], async_save: bool, devices: int) -> None:
             torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True, async_save=async_save),
         ],
     )  # fmt: skip
-    train = DataLoader(Samples(48), batch_size=4 // devices, shuffle=True)  # 12 batches an epoch: 6 steps
+    train = DataLoader(Samples(96), batch_size=4 // devices, shuffle=True)  # 24 batches an epoch: 12 steps
     trainer.fit(module, train, DataLoader(Samples(8), batch_size=4))
     if trainer.is_global_zero:
         weights = {k: v.clone() for k, v in module.state_dict().items()}

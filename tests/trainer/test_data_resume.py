@@ -21,6 +21,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
     get_worker_info,
 )
+from trainer_helpers import quiet_trainer
 
 import torchrig
 
@@ -83,17 +84,13 @@ def fit_in_pieces(
     for max_steps in [*stops, -1]:
         torch.manual_seed(0)
         module = module_class()
-        trainer = torchrig.Trainer(
-            accelerator="cpu",
-            devices=1,
+        trainer = quiet_trainer(
+            tmp_path,
             seed=7,
             max_epochs=max_epochs,
             max_steps=max_steps,
-            enable_progress_bar=False,
             enable_model_summary=False,
-            logger=False,
-            default_root_dir=tmp_path,
-            num_sanity_val_steps=0,
+            enable_checkpointing=True,
             callbacks=[torchrig.ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_last=True)],
             **trainer_kwargs,
         )
@@ -248,29 +245,10 @@ def test_a_hugging_face_stream_with_workers_resumes_exactly(tmp_path: Path) -> N
 
 def test_validation_at_the_end_of_an_epoch_of_a_stream_and_fractions_refused(tmp_path: Path) -> None:
     module = IdRegressor()
-    trainer = torchrig.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-        num_sanity_val_steps=0,
-    )
+    trainer = quiet_trainer(tmp_path, max_epochs=2)
     trainer.fit(module, DataLoader(Stream(16), batch_size=4), DataLoader(Samples(8), batch_size=4))
     assert trainer.global_step == 8 and "val_loss" in trainer.callback_metrics
-    fraction = torchrig.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        val_check_interval=0.5,
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-        num_sanity_val_steps=0,
-    )
+    fraction = quiet_trainer(tmp_path, max_epochs=1, val_check_interval=0.5)
     with pytest.raises(ValueError) as err:
         fraction.fit(IdRegressor(), DataLoader(Stream(16), batch_size=4), DataLoader(Samples(8), batch_size=4))
     assert str(err.value) == (
@@ -303,10 +281,7 @@ def test_estimated_stepping_batches_is_known_in_configure_optimizers(
     tmp_path: Path, stream: bool, kwargs: dict[str, Any], expected: float
 ) -> None:
     module = Sized()
-    trainer = torchrig.Trainer(
-        accelerator="cpu", devices=1, enable_progress_bar=False, logger=False, enable_checkpointing=False,
-        default_root_dir=tmp_path, num_sanity_val_steps=0, **kwargs,
-    )  # fmt: skip
+    trainer = quiet_trainer(tmp_path, **kwargs)
     data = Stream(40) if stream else Samples(40)
     trainer.fit(module, DataLoader(data, batch_size=4))
     assert module.estimate == expected

@@ -18,8 +18,8 @@ from trainer_helpers import HERE, subprocess_env
 
 import torchrig
 
-#: 6 optimizer steps an epoch, 2 epochs: stopped after steps 1, 2, 4 (epoch 1) and 7, 8, 10 (epoch 2).
-TERM_AT = [1, 2, 4, 7, 8, 10]
+#: 12 optimizer steps an epoch, 2 epochs: stopped after steps 1, 2, 4, 7 (epoch 1) and 13, 14 (epoch 2).
+TERM_AT = [1, 2, 4, 7, 13, 14]
 
 
 def _trained(root: Path, ranks: int) -> list[list[list[int]]]:
@@ -37,10 +37,8 @@ def _assert_same(a: Path, b: Path, ranks: int) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("async_save", [False, True], ids=["blocking", "background"])
 def test_soak_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool) -> None:
-    (tmp_path / "whole").mkdir()
     fit(tmp_path / "whole", [], async_save, 1)
     root = tmp_path / "soak"
-    root.mkdir()
     stops: list[Any] = []
     for attempt in range(len(TERM_AT) + 1):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))  # a restarted job resumes by itself
@@ -49,7 +47,7 @@ def test_soak_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as
             break
         except torchrig.Preempted as stop:
             stops.append(Path(stop.saved).name if stop.saved else None)
-    assert stops == [f"epoch={s // 6}-step={s}" for s in TERM_AT]
+    assert stops == [f"epoch={s // 12}-step={s}" for s in TERM_AT]
     _assert_same(tmp_path / "whole", root, 1)
 
 
@@ -58,13 +56,14 @@ def test_soak_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as
 @pytest.mark.distributed
 def test_soak_under_torchrig_run_with_two_processes(tmp_path: Path) -> None:
     env = subprocess_env()
+    env["TORCHRIG_SIGNAL_CHECK_INTERVAL"] = "0"  # the ranks agree at every step: the stop comes a step or two later
     script = str(HERE / "soak_fit.py")
     run = [sys.executable, "-m", "torchrig.cli", "run", "--devices", "2", "--accelerator", "cpu"]
     whole = subprocess.run(
         [*run, script, str(tmp_path / "whole"), "--devices", "2"], env=env, capture_output=True, text=True, timeout=120
     )
     assert whole.returncode == 0, whole.stderr[-3000:]
-    term = "2,3,5"  # three resumes inside the first epoch, each by torchrun's restart
+    term = "2,5,8"  # three resumes inside the first epoch (12 steps), each by torchrun's restart
     soak = subprocess.run(
         [*run, "--max-restarts", "3", script, str(tmp_path / "soak"), "--devices", "2", "--term-at", term,
          "--async-save"],
@@ -72,4 +71,5 @@ def test_soak_under_torchrig_run_with_two_processes(tmp_path: Path) -> None:
     )  # fmt: skip
     assert soak.returncode == 0, soak.stderr[-3000:]
     assert soak.stdout.count("resuming from") == 3, soak.stdout[-3000:]
+    assert soak.stdout.count("continues in epoch 1 after") == 3, soak.stdout[-3000:]
     _assert_same(tmp_path / "whole", tmp_path / "soak", 2)
