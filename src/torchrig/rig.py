@@ -284,7 +284,11 @@ class Rig:
         if not sharded and self.world_size > 1:
             rebuilt = self.strategy.process_dataloader(loader if rebuilt is None else rebuilt)
         wrapped = RigDataLoader(
-            rebuilt if rebuilt is not None else loader, device=self.device, seed=seed, on_batch=self._batch_from
+            rebuilt if rebuilt is not None else loader,
+            device=self.device,
+            seed=seed,
+            on_batch=self._batch_from,
+            strategy=self.strategy,
         )
         return wrapped
 

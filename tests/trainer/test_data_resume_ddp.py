@@ -50,7 +50,7 @@ def _fit(root: Path, stops: list[int]) -> tuple[list[list[list[int]]], dict[str,
             env=env,
             capture_output=True,
             text=True,
-            timeout=50,
+            timeout=110,
             cwd=root,
         )
         assert done.returncode == 0, done.stderr[-3000:]
@@ -61,7 +61,7 @@ def _fit(root: Path, stops: list[int]) -> tuple[list[list[list[int]]], dict[str,
     return ranks, torch.load(root / "final.pt")
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(330)
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_sharded_stream_on_two_processes_is_split_and_resumes_exactly(tmp_path: Path) -> None:

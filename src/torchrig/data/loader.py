@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from torchrig.data.iterable import is_stateful, is_stateful_loader
@@ -24,23 +23,6 @@ def length_of(loader: Any) -> int | float:
         return len(loader) if isinstance(loader, Sized) else math.inf
     except TypeError:
         return math.inf
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the number of processes (0 and 1 without a process group)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def every_rank(value: Any) -> list[Any]:
-    """``value`` of every rank, rank by rank (a collective when there are several)."""
-    _, world = rank_and_world()
-    if world == 1:
-        return [value]
-    values: list[Any] = [None] * world
-    dist.all_gather_object(values, value)
-    return values
 
 
 def loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
@@ -96,7 +78,9 @@ def rebuild_with_sampler(
 class RigDataLoader:
     """Wraps a DataLoader: yields batches on ``device`` and remembers its place for checkpoints.
 
-    ``on_batch`` (optional) is called with the loader each time it yields a batch.
+    ``on_batch`` (optional) is called with the loader each time it yields a batch. ``strategy``
+    (the preparing Rig's) gathers every rank's part of the state (each rank's RNG state and
+    stream position); without one the loader is the only process.
 
     ``len()``, ``dataset``, ``batch_size`` and ``sampler`` come from the wrapped loader; ``len()``
     is always the whole epoch's, also in a resumed epoch. Each ``iter()`` starts a new epoch
@@ -120,8 +104,10 @@ class RigDataLoader:
         device: torch.device,
         seed: int = 0,
         on_batch: Callable[[RigDataLoader], Any] | None = None,
+        strategy: Any = None,
     ) -> None:
         self.loader = loader
+        self.strategy = strategy
         self.device = device
         self.seed = seed
         self.epoch = -1
@@ -185,11 +171,12 @@ class RigDataLoader:
         workers' seed and a random sampler's order are drawn then) and given back after, so the
         RNG stream of the run continues from the checkpoint's state."""
         loader, rng = self.loader, self._epoch_rng
+        # (.cpu(): a checkpoint loaded with map_location on an accelerator brings the states there)
         if rng is not None and rng.get("generator") is not None and loader.generator is not None:
-            loader.generator.set_state(rng["generator"])
+            loader.generator.set_state(rng["generator"].cpu())
         with torch.random.fork_rng(devices=[]):
             if rng is not None:
-                torch.set_rng_state(rng["torch"])
+                torch.set_rng_state(rng["torch"].cpu())
             # Without the epoch's state (a checkpoint from before it was saved), the DataLoader's
             # draw is not repeated: the restored RNG state is already after it.
             if isinstance(loader.dataset, IterableDataset):
@@ -212,6 +199,10 @@ class RigDataLoader:
             it = iter(one_epoch)
             indices.start()  # the order is drawn here, from the epoch's state
             return it
+
+    def _every_rank(self, value: Any) -> list[Any]:
+        """``value`` of every rank, in rank order (a collective when there are several)."""
+        return [value] if self.strategy is None else list(self.strategy.all_gather_object(value))
 
     def _warn_replay(self, skip: int) -> None:
         dataset = self.loader.dataset
@@ -239,11 +230,11 @@ class RigDataLoader:
         """
         state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
         if self._epoch_rng is not None:
-            state["epoch_rng"] = every_rank(self._epoch_rng)
+            state["epoch_rng"] = self._every_rank(self._epoch_rng)
         if isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader):
             with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
                 position = self.loader.state_dict()  # type: ignore[attr-defined]
-            state["loader_state"] = every_rank(position)
+            state["loader_state"] = self._every_rank(position)
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             batch_size = self.loader.batch_size or 1
@@ -266,7 +257,7 @@ class RigDataLoader:
         epoch, seen = int(state["epoch"]), int(state["batches_seen"])
         self.seed = int(state.get("seed", self.seed))
         rngs = state.get("epoch_rng")
-        rank, world = rank_and_world()
+        rank, world = (0, 1) if self.strategy is None else (self.strategy.global_rank, self.strategy.world_size)
         self._epoch_rng = rngs[rank] if rngs and len(rngs) == world else None
         positions = state.get("loader_state")
         if positions is not None and is_stateful_loader(self.loader):
