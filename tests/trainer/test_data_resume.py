@@ -264,7 +264,12 @@ class Sized(IdRegressor):
 
     def configure_optimizers(self) -> Any:
         self.estimate = self.trainer.estimated_stepping_batches
-        return super().configure_optimizers()
+        optimizer = super().configure_optimizers()
+        if math.isinf(self.estimate):
+            return optimizer
+        # Sized by the estimate: OneCycleLR raises when stepped more often than total_steps.
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=self.estimate)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 @pytest.mark.parametrize(

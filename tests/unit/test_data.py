@@ -130,6 +130,8 @@ def test_a_stateful_stream_runs_in_a_stateful_dataloader_and_resumes_from_its_po
 
     loader = _prepared(DataLoader(_Stream(20), batch_size=4))
     assert isinstance(loader.loader, StatefulDataLoader)
+    own = StatefulDataLoader(_Stream(20), batch_size=4)
+    assert _prepared(own).loader is own  # a StatefulDataLoader of the user's is kept as it is
     it = iter(loader)
     next(it), next(it)
     state = loader.state_dict()
