@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from torchrig import arguments, checkpoint, gather, speedups
 from torchrig.accelerators import Accelerator
 from torchrig.checkpoint.background import BackgroundSaves, SaveHandle
-from torchrig.data import RigDataLoader, rebuild_with_sampler
+from torchrig.data import RigDataLoader, loader_kwargs, rebuild_iterable, rebuild_with_sampler
 from torchrig.fp8 import FP8Mixed
 from torchrig.nested import apply_to_tensors, move_to_device
 from torchrig.precision import Precision
@@ -267,20 +267,28 @@ class Rig:
         call draws a new shuffle seed from torch's RNG, as :meth:`prepare` does."""
         if not isinstance(loader, DataLoader):
             raise TypeError(f"setup_dataloader() takes a torch.utils.data.DataLoader; got {type(loader).__name__}")
-        # The shuffle seed comes from torch's RNG (so seed_everything fixes it) and rank 0 decides.
-        seed = self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item()))
+        # The shuffle seed comes from torch's RNG (so seed_everything fixes it) and rank 0 decides;
+        # a loader that does not shuffle takes no draw (the run's RNG stream is the hand-written loop's).
+        shuffles = isinstance(loader.sampler, RandomSampler)
+        seed = self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item())) if shuffles else 0
         pin = self.device.type not in ("cpu", "mps")
-        rebuilt = rebuild_with_sampler(
-            loader,
-            seed=seed,
-            num_replicas=self.strategy.data_parallel_size,
-            rank=self.strategy.data_parallel_rank,
-            pin_memory=pin,
-        )
-        if rebuilt is None and self.world_size > 1:
-            rebuilt = self.strategy.process_dataloader(loader)
+        replicas, rank = self.strategy.data_parallel_size, self.strategy.data_parallel_rank
+        rebuilt = rebuild_with_sampler(loader, seed=seed, num_replicas=replicas, rank=rank, pin_memory=pin)
+        if rebuilt is None:
+            kw = loader_kwargs(loader)
+            kw["pin_memory"] = kw["pin_memory"] or pin
+            rebuilt = rebuild_iterable(loader, kwargs=kw, num_replicas=replicas, rank=rank)
+        # A map-style loader rebuilt has its share (ResumableSampler); an iterable one when its dataset was split.
+        stream = isinstance(loader.dataset, IterableDataset)
+        sharded = rebuilt is not None and not (stream and rebuilt.dataset is loader.dataset)
+        if not sharded and self.world_size > 1:
+            rebuilt = self.strategy.process_dataloader(loader if rebuilt is None else rebuilt)
         wrapped = RigDataLoader(
-            rebuilt if rebuilt is not None else loader, device=self.device, seed=seed, on_batch=self._batch_from
+            rebuilt if rebuilt is not None else loader,
+            device=self.device,
+            seed=seed,
+            on_batch=self._batch_from,
+            strategy=self.strategy,
         )
         return wrapped
 

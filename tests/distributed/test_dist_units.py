@@ -177,7 +177,11 @@ def test_a_loader_prepare_cannot_shard_gets_a_warning_unless_already_distributed
 
     strategy = torchrig.resolve(accelerator="cpu", devices=2, strategy="ddp").strategy
     stream = DataLoader(Stream())
-    with pytest.warns(UserWarning, match=r"each of the 2 processes iterates all of it\. Shard it yourself"):
+    message = (
+        r"its Stream is an IterableDataset that does not say how to split itself\), so each of the 2 processes reads "
+        r"the same data\. Shard it yourself: give Stream a method shard_for_rank\(rank, world_size\)"
+    )
+    with pytest.warns(UserWarning, match=message):
         assert strategy.process_dataloader(stream) is stream
     sharded = DataLoader(list(range(4)), sampler=DistributedSampler(list(range(4)), num_replicas=2, rank=0))
     with warnings.catch_warnings():

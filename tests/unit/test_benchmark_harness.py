@@ -79,3 +79,10 @@ def test_trainer_parts_suite_times_each_part_against_the_hand_written_loop() -> 
     for row in rows:
         assert 0.5 < _ratio(out, row) < 3.0
     assert "Trainer.fit" not in out  # only the suite asked for
+
+
+def test_data_resume_benchmark_measures_every_pipeline() -> None:
+    out = _bench("data_resume.py", "--samples", "2000", "--repeats", "2", "--batches", "20", "--markdown")
+    for row in ("map-style, shuffled", "iterable, stateful", "iterable, no position (replayed)"):
+        assert _ratio(out, row) > 0
+    assert "| 20 batches | rig.prepare(DataLoader) |" in out

@@ -104,3 +104,53 @@ def test_resumable_sampler_splits_across_replicas_like_one_big_batch() -> None:
     parts = [ResumableSampler(DATA, shuffle=True, seed=1, num_replicas=4, rank=r).indices() for r in range(4)]
     assert sorted(chain(*parts)) == sorted(full)
     assert [parts[r][0] for r in range(4)] == full[:4]
+
+
+class _Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """0..n-1 with its position as its state."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos = n, 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        while self.pos < self.n:
+            self.pos += 1
+            yield self.pos - 1
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+def test_a_stateful_stream_runs_in_a_stateful_dataloader_and_resumes_from_its_position() -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = _prepared(DataLoader(_Stream(20), batch_size=4))
+    assert isinstance(loader.loader, StatefulDataLoader)
+    own = StatefulDataLoader(_Stream(20), batch_size=4)
+    assert _prepared(own).loader is own  # a StatefulDataLoader of the user's is kept as it is
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    assert [s["dataset_state"] for s in state["loader_state"]] == [{"pos": 8}]
+    resumed = _prepared(DataLoader(_Stream(20), batch_size=4))
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == [[8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
+
+
+def test_a_stream_position_saved_by_another_number_of_processes_is_refused() -> None:
+    loader = _prepared(DataLoader(_Stream(20), batch_size=4))
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    state["loader_state"] = state["loader_state"] * 2  # as 2 processes save it
+    with pytest.raises(ValueError) as err:
+        _prepared(DataLoader(_Stream(20), batch_size=4)).load_state_dict(state)
+    assert str(err.value) == (
+        "the checkpoint's _Stream stream was saved by 2 processes, each at its own position in its share of the "
+        "stream; this run has 1. Resume it with 2 processes: a position in one share of a stream does not say "
+        "where another number of shares would be"
+    )

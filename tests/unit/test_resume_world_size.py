@@ -47,7 +47,10 @@ def _two_process_state(batches: int, batch_size: int = 4) -> dict[str, Any]:
         it = iter(loader)  # epoch 1
         for _ in range(batches):
             next(it)
-        states.append(loader.state_dict())
+        state = loader.state_dict()
+        # The RNG state each rank's epoch started from is its own (one process plays both ranks here).
+        assert [type(s) for s in state.pop("epoch_rng")] == [dict]
+        states.append(state)
     assert states[0] == states[1]  # every rank saves the same position (rank 0 writes it)
     return states[0]
 

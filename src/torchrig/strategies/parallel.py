@@ -232,17 +232,26 @@ class ParallelStrategy(Strategy):
 
     def process_dataloader(self, loader: Any) -> Any:
         """A loader ``prepare`` could not re-shard (custom sampler, iterable dataset): kept as is."""
-        from torch.utils.data import DistributedSampler
+        from torch.utils.data import DistributedSampler, IterableDataset
 
         sampler = getattr(loader, "sampler", None)
         batch_sampler = getattr(loader, "batch_sampler", None)
         if not isinstance(sampler, DistributedSampler) and not isinstance(
             getattr(batch_sampler, "sampler", None), DistributedSampler
         ):
+            dataset = getattr(loader, "dataset", None)
+            if isinstance(dataset, IterableDataset):
+                what = f"its {type(dataset).__name__} is an IterableDataset that does not say how to split itself"
+                fix = (
+                    f"give {type(dataset).__name__} a method shard_for_rank(rank, world_size) returning this rank's "
+                    "share of the stream (a Hugging Face datasets.IterableDataset is split for you)"
+                )
+            else:
+                what = f"its {type(sampler).__name__} / dataset is not one it can rebuild"
+                fix = "torch.utils.data.DistributedSampler(dataset)"
             warnings.warn(
-                f"prepare() cannot shard this DataLoader (its {type(sampler).__name__} / dataset is not one it can "
-                f"rebuild), so each of the {self.world_size} processes iterates all of it. Shard it yourself "
-                "(torch.utils.data.DistributedSampler(dataset), or split an IterableDataset by rank)",
+                f"prepare() cannot shard this DataLoader ({what}), so each of the {self.world_size} processes "
+                f"reads the same data. Shard it yourself: {fix}",
                 stacklevel=4,
             )
         return loader

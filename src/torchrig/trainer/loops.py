@@ -10,12 +10,13 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from torchrig.data import length_of
 from torchrig.preemption import Preempted
 from torchrig.trainer.items import ItemWindow
 from torchrig.trainer.metrics import MetricStore, to_floats
@@ -54,15 +55,6 @@ def loss_of(output: Any) -> torch.Tensor | None:
         f"training_step returned {type(output).__name__}; return the loss tensor, a dict with a 'loss' "
         "tensor, or None to skip the batch"
     )
-
-
-def length_of(loader: Any) -> int | float:
-    """``len(loader)``, or ``inf`` for one without a length (a DataLoader over an IterableDataset
-    without ``__len__`` has ``__len__`` but raises TypeError)."""
-    try:
-        return len(loader) if isinstance(loader, Sized) else math.inf
-    except TypeError:
-        return math.inf
 
 
 def num_batches(loader: Any, limit: int | float) -> int | float:
@@ -205,8 +197,8 @@ class Run(RunState):
     def run_batches(self, batches: Iterator[Any], n: int | float) -> None:
         tr = self.trainer
         state = tr.fit_state
-        val_every = self.val_check_batches(n)
         validate_epoch = self.has_validation() and (state.epoch + 1) % tr.check_val_every_n_epoch == 0
+        val_every = self.val_check_batches(n) if validate_epoch else 0  # asked only when a check is scheduled
         one_batch, validate = self.batch_runner(), self.validate_in_fit
         if tr.profiler is not None:  # once per epoch: the same loop, its callables timed
             batches, validate = tr.profiler.wrap_batches(batches), tr.profiler.wrap(VALIDATION, validate)
@@ -227,7 +219,7 @@ class Run(RunState):
         one_batch: Callable[[Any, int, bool], Any],
         validate: Callable[[], None],
         validate_epoch: bool,
-        val_every: int,
+        val_every: int | float,
         due: float,
     ) -> float:
         """The batches of one epoch (inside the training step's log sink); when the sparse hooks are next due.
@@ -272,6 +264,10 @@ class Run(RunState):
                     stop_at_step(stop)
                 break
             batch_idx += 1
+        else:  # the iterator ended: a loader without a length has reached the end of its epoch
+            if val_at_last and validate_epoch and math.isinf(n) and state.batch_idx and not state.val_pending:
+                state.val_pending = True
+                validate()
         return due
 
     def batch_runner(self) -> Callable[[Any, int, bool], Any]:

@@ -150,7 +150,8 @@ class RunState:
         tr = self.trainer
         return {"validate": tr.limit_val_batches, "test": tr.limit_test_batches}[stage]
 
-    def val_check_batches(self, n: int | float) -> int:
+    def val_check_batches(self, n: int | float) -> int | float:
+        """Batches between validation checks in an epoch of ``n`` (``inf``: only at the epoch's end)."""
         interval = self.trainer.val_check_interval
         if isinstance(interval, int):
             if interval > n:
@@ -160,7 +161,12 @@ class RunState:
                 )
             return interval
         if math.isinf(n):
-            raise ValueError("val_check_interval as a fraction needs a dataloader with a length; give an int")
+            if interval == 1.0:  # at the end of the epoch, whenever the loader's iterator ends
+                return math.inf
+            raise ValueError(
+                f"val_check_interval={interval} is a fraction of the epoch, but the training dataloader has no "
+                "length (an IterableDataset without __len__); give an int number of batches between checks"
+            )
         return max(1, int(n * interval))
 
     def track_batch_indices(self) -> bool:

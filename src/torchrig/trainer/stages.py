@@ -3,7 +3,6 @@ set-up, the loop, errors, teardown and checkpoints."""
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -56,10 +55,11 @@ def run_fit_stage(
         if val is None and datamodule is not None:
             val = datamodule.val_dataloader()
         prepare_module(tr, module)
+        # The loader first: configure_optimizers may size a schedule by estimated_stepping_batches.
+        tr.run.train_loader = _prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")
         optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers())
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
-        tr.run.train_loader = _prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")
         tr.run.check_training_batches()
         _warn_if_steps_are_not_logged(tr)
         tr.run.eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
@@ -277,11 +277,7 @@ def _warn_if_steps_are_not_logged(tr: Trainer) -> None:
     n = tr.num_training_batches
     if not tr.loggers or not tr.is_global_zero or n == 0:
         return
-    per_epoch = math.inf if math.isinf(n) else math.ceil(n / tr.accumulate_grad_batches)
-    steps = min(
-        per_epoch * tr.max_epochs if tr.max_epochs != -1 else math.inf,
-        tr.max_steps if tr.max_steps != -1 else math.inf,
-    )
+    steps = tr.estimated_stepping_batches
     if steps < tr.log_every_n_steps:
         warnings.warn(
             f"this fit has {steps} optimizer steps, fewer than Trainer(log_every_n_steps={tr.log_every_n_steps}): "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -311,6 +312,22 @@ class Trainer:
     def num_training_batches(self) -> int | float:
         loader = self.run.train_loader
         return 0 if loader is None else loops.num_batches(loader, self.limit_train_batches)
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """The optimizer steps the whole fit takes: ``max_steps``, or ``max_epochs`` epochs of this
+        process's training batches (``num_training_batches``, after ``limit_train_batches`` and the
+        split across processes) in steps of ``accumulate_grad_batches`` (a partial group at an
+        epoch's end is a step), whichever is fewer. Known inside ``configure_optimizers`` (size a
+        OneCycle or warm-up schedule with it); ``inf`` when neither bounds it (a loader without a
+        length and no ``max_steps``)."""
+        n = self.num_training_batches
+        per_epoch = math.inf if math.isinf(n) else math.ceil(n / self.accumulate_grad_batches)
+        epochs = math.inf if self.max_epochs == -1 else self.max_epochs
+        steps = per_epoch * epochs if per_epoch else 0
+        if self.max_steps != -1:
+            steps = min(steps, self.max_steps)
+        return steps if math.isinf(steps) else int(steps)
 
     @property
     def num_val_batches(self) -> list[int | float]:

@@ -1,0 +1,300 @@
+"""The prepared loader (:class:`RigDataLoader`) and rebuilding a user's DataLoader with a
+:class:`~torchrig.data.samplers.ResumableSampler`."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from torchrig.data.iterable import is_stateful, is_stateful_loader
+from torchrig.data.samplers import ResumableSampler, ResumedIndices
+from torchrig.nested import move_batch
+
+
+def length_of(loader: Any) -> int | float:
+    """``len(loader)``, or ``inf`` for one without a length (a DataLoader over an IterableDataset
+    without ``__len__`` has ``__len__`` but raises TypeError)."""
+    try:
+        return len(loader) if isinstance(loader, Sized) else math.inf
+    except TypeError:
+        return math.inf
+
+
+def loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The keyword arguments ``loader`` was built with, other than its dataset, batching and
+    sampling (workers, collate_fn, pinning...): what a rebuilt copy of it passes on."""
+    kw: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        kw["prefetch_factor"] = loader.prefetch_factor
+    if getattr(loader, "pin_memory_device", ""):
+        kw["pin_memory_device"] = loader.pin_memory_device
+    return kw
+
+
+def rebuild_with_sampler(
+    loader: DataLoader[Any], *, seed: int, num_replicas: int, rank: int, pin_memory: bool
+) -> DataLoader[Any] | None:
+    """The same loader with a :class:`ResumableSampler`; None when it cannot be rebuilt.
+
+    Loaders with a custom batch sampler, an iterable dataset, or a sampler that is neither
+    random nor sequential are left alone (their order is theirs to control).
+    """
+    bs = loader.batch_sampler
+    if not isinstance(bs, BatchSampler) or type(bs) is not BatchSampler:
+        return None
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        return None
+    if isinstance(loader.sampler, RandomSampler) and (
+        loader.sampler.replacement or loader.sampler._num_samples is not None
+    ):
+        return None
+    sampler = ResumableSampler(
+        loader.dataset,  # type: ignore[arg-type]
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,
+        num_replicas=num_replicas,
+        rank=rank,
+        drop_last=bs.drop_last,
+    )
+    kw = loader_kwargs(loader)
+    kw["pin_memory"] = kw["pin_memory"] or pin_memory
+    return DataLoader(loader.dataset, batch_size=bs.batch_size, sampler=sampler, drop_last=bs.drop_last, **kw)
+
+
+class RigDataLoader:
+    """Wraps a DataLoader: yields batches on ``device`` and remembers its place for checkpoints.
+
+    ``on_batch`` (optional) is called with the loader each time it yields a batch. ``strategy``
+    (the preparing Rig's) gathers every rank's part of the state (each rank's RNG state and
+    stream position); without one the loader is the only process.
+
+    ``len()``, ``dataset``, ``batch_size`` and ``sampler`` come from the wrapped loader; ``len()``
+    is always the whole epoch's, also in a resumed epoch. Each ``iter()`` starts a new epoch
+    (``set_epoch`` is called for you) and records torch's RNG state at its start (the state the
+    DataLoader draws its workers' seed and a random sampler its order from); ``state_dict``
+    records that state, the epoch and how many batches of it were consumed (and, for a
+    :class:`ResumableSampler`, how many samples of the global order), and ``load_state_dict``
+    makes the next ``iter()`` draw the same epoch again and continue right after them, also
+    under another number of processes or batch size.
+
+    A map-style loader skips the consumed batches as indices: no sample of them is read. A loader
+    over an ``IterableDataset`` in a ``torchdata`` StatefulDataLoader (what ``prepare`` makes of
+    one whose dataset has ``state_dict``/``load_state_dict``) saves and restores the dataset's own
+    position, in its workers too; any other iterable loader reads the consumed batches again.
+    """
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        *,
+        device: torch.device,
+        seed: int = 0,
+        on_batch: Callable[[RigDataLoader], Any] | None = None,
+        strategy: Any = None,
+    ) -> None:
+        self.loader = loader
+        self.strategy = strategy
+        self.device = device
+        self.seed = seed
+        self.epoch = -1
+        self.batches_seen = 0
+        #: Called with this loader each time it yields a batch, before the batch is handed out
+        #: (the Rig that prepared the loader records it as its ``current_loader``).
+        self.on_batch = on_batch
+        self._resume_at: tuple[int, int] | None = None
+        #: torch's RNG state (and the loader's own generator's) when the current epoch started.
+        self._epoch_rng: dict[str, Any] | None = None
+        #: The StatefulDataLoader's state to continue from at the next (resumed) ``iter()``.
+        self._loader_state: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` run epoch ``epoch`` (normally counted for you)."""
+        self._resume_at = (epoch, 0)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._resume_at is not None:
+            self.epoch, skip = self._resume_at
+            self._resume_at = None
+        else:
+            self.epoch, skip = self.epoch + 1, 0
+        for order in (self.loader.sampler, self.loader.dataset):  # a Hugging Face stream's shuffle too
+            set_epoch = getattr(order, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
+        self.batches_seen = skip
+        if skip:
+            it = self._resumed_epoch(skip)
+        else:
+            self._loader_state = None
+            generator = self.loader.generator
+            self._epoch_rng = {
+                "torch": torch.get_rng_state(),
+                "generator": None if generator is None else generator.get_state(),
+            }
+            it = iter(self.loader)
+        device = self.device
+        non_blocking = device.type not in ("cpu", "mps")  # as move_to_device decides, once per epoch
+        move = device.type != "cpu"  # a DataLoader makes its batches on the CPU: nothing to move there
+        on_batch = self.on_batch
+        for batch in it:
+            self.batches_seen += 1
+            if on_batch is not None:
+                on_batch(self)
+            yield move_batch(batch, device, non_blocking) if move else batch
+
+    def _resumed_epoch(self, skip: int) -> Iterator[Any]:
+        """The current epoch after its first ``skip`` batches, drawn as the epoch first was.
+
+        Torch's RNG is set to the epoch's starting state while the epoch's iterator starts (the
+        workers' seed and a random sampler's order are drawn then) and given back after, so the
+        RNG stream of the run continues from the checkpoint's state."""
+        loader, rng = self.loader, self._epoch_rng
+        # (.cpu(): a checkpoint loaded with map_location on an accelerator brings the states there)
+        if rng is not None and rng.get("generator") is not None and loader.generator is not None:
+            loader.generator.set_state(rng["generator"].cpu())
+        with torch.random.fork_rng(devices=[]):
+            if rng is not None:
+                torch.set_rng_state(rng["torch"].cpu())
+            # Without the epoch's state (a checkpoint from before it was saved), the DataLoader's
+            # draw is not repeated: the restored RNG state is already after it.
+            if isinstance(loader.dataset, IterableDataset):
+                if self._loader_state is not None:  # the dataset's (and workers') own position
+                    loader.load_state_dict(self._loader_state)  # type: ignore[attr-defined]
+                    self._loader_state = None
+                    return iter(loader)
+                self._warn_replay(skip)
+                it = iter(loader)
+                for _ in range(skip):  # no index to skip, no position: read the consumed batches again
+                    next(it)
+                return it
+            batches = loader.batch_sampler
+            indices = ResumedIndices(loader.sampler if batches is None else batches, skip)
+            kw = loader_kwargs(loader)
+            if batches is not None:
+                one_epoch = DataLoader(loader.dataset, batch_sampler=indices, **kw)
+            else:
+                one_epoch = DataLoader(loader.dataset, sampler=indices, batch_size=None, **kw)
+            it = iter(one_epoch)
+            indices.start()  # the order is drawn here, from the epoch's state
+            return it
+
+    def _every_rank(self, value: Any) -> list[Any]:
+        """``value`` of every rank, in rank order (a collective when there are several)."""
+        return [value] if self.strategy is None else list(self.strategy.all_gather_object(value))
+
+    def _warn_replay(self, skip: int) -> None:
+        dataset = self.loader.dataset
+        name = type(dataset).__name__
+        fix = (
+            "install torchdata (prepare() then runs it in a StatefulDataLoader, which saves that position)"
+            if is_stateful(dataset)
+            else "give it state_dict() and load_state_dict() (its position in the stream; docs/data.md shows how)"
+        )
+        warnings.warn(
+            f"resuming the {name} of this loader reads the {skip} batches it already trained on again and throws "
+            f"them away, as {name} keeps no position torchrig can save; to resume without reading them, {fix}",
+            stacklevel=4,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next batch comes from: ``epoch``, ``batches_seen`` (this rank's), ``seed``
+        and ``epoch_rng`` (each rank's RNG state when the epoch started, and the loader's
+        generator's: a collective when there are several processes).
+
+        A loader with a :class:`ResumableSampler` also records ``samples_seen``, the samples
+        of the epoch's global order that all ranks together consumed (``len(dataset)`` once the
+        epoch is over), with the ``num_replicas`` and ``batch_size`` it ran with, so a run with
+        another number of processes or batch size resumes at the same place in the data.
+        """
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
+        if self._epoch_rng is not None:
+            state["epoch_rng"] = self._every_rank(self._epoch_rng)
+        if isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader):
+            with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
+                position = self.loader.state_dict()  # type: ignore[attr-defined]
+            state["loader_state"] = self._every_rank(position)
+        sampler = self.loader.sampler
+        if isinstance(sampler, ResumableSampler):
+            batch_size = self.loader.batch_size or 1
+            n = len(sampler.data_source)
+            if self.batches_seen >= len(self.loader):
+                samples = n
+            else:
+                # rank r took global positions r, r+R, ...: the ranks together consumed a prefix
+                samples = min(self.batches_seen * batch_size, sampler.num_samples) * sampler.num_replicas
+            state.update(samples_seen=samples, num_replicas=sampler.num_replicas, batch_size=batch_size)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue right after the position in ``state`` at the next ``iter()``.
+
+        A position saved by a different number of processes or batch size is converted through
+        the global sample position; when it falls inside one of this loader's global batches,
+        the resume starts at that batch and warns how many samples are seen again.
+        """
+        epoch, seen = int(state["epoch"]), int(state["batches_seen"])
+        self.seed = int(state.get("seed", self.seed))
+        rngs = state.get("epoch_rng")
+        rank, world = (0, 1) if self.strategy is None else (self.strategy.global_rank, self.strategy.world_size)
+        self._epoch_rng = rngs[rank] if rngs and len(rngs) == world else None
+        positions = state.get("loader_state")
+        if positions is not None and is_stateful_loader(self.loader):
+            if len(positions) != world:
+                raise ValueError(
+                    f"the checkpoint's {type(self.loader.dataset).__name__} stream was saved by {len(positions)} "
+                    f"processes, each at its own position in its share of the stream; this run has {world}. "
+                    f"Resume it with {len(positions)} processes: a position in one share of a stream does not say "
+                    "where another number of shares would be"
+                )
+            self._loader_state = positions[rank]
+        sampler = self.loader.sampler
+        if isinstance(sampler, ResumableSampler):
+            sampler.seed = self.seed
+            if "samples_seen" in state and epoch >= 0:
+                epoch, seen = self._batches_for(state, epoch, sampler)
+        if epoch >= 0 and seen >= length_of(self.loader):
+            epoch, seen = epoch + 1, 0
+        self._resume_at = (max(epoch, 0), seen)
+        self.epoch, self.batches_seen = epoch, seen
+
+    def _batches_for(self, state: dict[str, Any], epoch: int, sampler: ResumableSampler) -> tuple[int, int]:
+        """``(epoch, batches of this rank to skip)`` for the global position saved in ``state``."""
+        samples = int(state["samples_seen"])
+        if samples >= len(sampler.data_source):
+            return epoch + 1, 0
+        batch_size, replicas = self.loader.batch_size or 1, sampler.num_replicas
+        per_step = batch_size * replicas
+        skip, again = divmod(samples, per_step)
+        if again and skip < len(self.loader):
+            saved_replicas, saved_batch = state.get("num_replicas", "?"), state.get("batch_size", "?")
+            warnings.warn(
+                f"the checkpoint's dataloader stopped {samples} samples into epoch {epoch} "
+                f"(saved with num_replicas={saved_replicas} x batch_size={saved_batch}); this run takes "
+                f"{per_step} samples per step (num_replicas={replicas} x batch_size={batch_size}) and "
+                f"{samples} is not a multiple of {per_step}, so it resumes at sample {skip * per_step} "
+                f"and {again} samples will be seen again",
+                stacklevel=3,
+            )
+        return epoch, skip

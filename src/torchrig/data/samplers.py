@@ -1,0 +1,100 @@
+"""Index orders for prepared loaders: a shuffle that depends only on ``(seed, epoch)``, and the
+rest of an epoch's batch order after a resume, skipped at the index level."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableSampler(Sampler[int]):
+    """A permutation per ``(seed, epoch)``, split across ``num_replicas`` ranks.
+
+    With ``num_replicas=R`` rank ``r`` takes every R-th index starting at ``r``, so the
+    per-rank batches of one step together hold the same samples as the single-process batch
+    of ``R`` times the size (the dataset is padded by repeating indices when it does not split
+    evenly, unless ``drop_last``). Its length is always the whole epoch's; a resumed epoch
+    skips inside it through :class:`ResumedIndices`.
+    """
+
+    def __init__(
+        self,
+        data_source: Sized,
+        *,
+        shuffle: bool,
+        seed: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        self.data_source = data_source
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.epoch = 0
+        n = len(data_source)
+        if drop_last and n % num_replicas:
+            self.num_samples = n // num_replicas
+        else:
+            self.num_samples = math.ceil(n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def indices(self) -> list[int]:
+        n = len(self.data_source)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        if self.total_size > n:
+            order += (order * math.ceil(self.total_size / n))[: self.total_size - n]
+        order = order[: self.total_size]
+        return order[self.rank : self.total_size : self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class ResumedIndices:
+    """The rest of an epoch of ``index_sampler`` (a batch sampler, or a sampler without
+    batching) after its first ``skip`` items: skipped as indices, no sample is read for them.
+
+    :meth:`start` draws the epoch's order (a sampler drawing from torch's RNG draws then) and
+    skips; the loader calls it right after it starts the epoch's DataLoader iterator, while the
+    RNG holds the epoch's state. Every ``iter()`` continues the same started order, as a
+    DataLoader may call ``iter()`` on its index sampler more than once per epoch."""
+
+    def __init__(self, index_sampler: Iterable[Any], skip: int) -> None:
+        self.index_sampler = index_sampler
+        self.skip = skip
+        self._it: Iterator[Any] | None = None
+
+    def start(self) -> None:
+        if self._it is None:
+            self._it = iter(self.index_sampler)
+            for _ in range(self.skip):
+                if next(self._it, None) is None:
+                    break
+
+    def __iter__(self) -> Iterator[Any]:
+        # Lazy, as a sampler's own iterator is: the DataLoader calls iter() before it draws the
+        # workers' seed, and a sampler draws its order only at the first next(), after that seed.
+        self.start()
+        assert self._it is not None
+        yield from self._it
+
+    def __len__(self) -> int:
+        return max(len(self.index_sampler) - self.skip, 0)  # type: ignore[arg-type]
