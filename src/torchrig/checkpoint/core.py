@@ -20,12 +20,12 @@ from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.files import (
     FileSet,
     apply_retention,
+    check_target,
     commit,
     discard,
+    prepare_target,
     raise_no_space,
-    remove_stale_temps,
     resolve_checkpoint,
-    temp_dir_for,
     update_link,
     write_meta,
     write_torch,
@@ -49,9 +49,7 @@ from torchrig.checkpoint.tensors import (
 def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | None, link: str | None) -> None:
     """Rank zero: write every file into a temp dir, fsync, then rename it into place (``payload``
     passed :func:`check_weights_only`)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target.parent)
-    tmp = temp_dir_for(target)
+    tmp = prepare_target(target)
     try:
         with FileSet(tmp) as files:
             blob, external, where = extract_tensors(payload["blob"])
@@ -195,6 +193,7 @@ def _start_whole(
     if not rig.is_global_zero:
         return None
     check_weights_only(payload["blob"])  # fails before any file is touched
+    check_target(target)  # here too, so a background save is refused at once
     ready: Callable[[], None] | None = None
     if not blocking:
         optimizers = {k: getattr(o, "optimizer", o) for k, o in state.items() if isinstance(o, torch.optim.Optimizer)}

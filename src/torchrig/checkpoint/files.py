@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import uuid
 import warnings
@@ -220,6 +221,56 @@ def temp_dir_for(target: Path) -> Path:
     return tmp
 
 
+def _what_is_at(path: Path, mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return f"a symbolic link (to {os.readlink(path)!r})"
+    if stat.S_ISDIR(mode):
+        return f"a directory that is not a torchrig checkpoint (it has no valid {META})"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    return "a device or socket"
+
+
+def check_target(target: Path) -> None:
+    """Refuse to save at ``target`` unless nothing is there or a torchrig checkpoint is.
+
+    A checkpoint is a real directory (not a link) holding a valid ``meta.json``; anything else
+    (a folder of results, the current directory, a link, a file, a FIFO) is the user's and is
+    never replaced: a :class:`CheckpointError` names the path and what is there.
+    """
+    fix = (
+        "; only a missing path or a torchrig checkpoint (a directory holding its meta.json, not a link) is "
+        "replaced: give a new path such as 'checkpoints/step-000100', or remove what is there yourself"
+    )
+    if target.name in ("", ".", ".."):
+        raise CheckpointError(f"cannot save a checkpoint at {target}: it is the root of the file system{fix}")
+    try:
+        mode = target.lstat().st_mode
+    except FileNotFoundError:
+        parent = target.parent
+        if parent.exists() and not parent.is_dir():
+            what = _what_is_at(parent, parent.stat().st_mode)
+            raise CheckpointError(
+                f"cannot save a checkpoint at {target}: its folder {parent} is {what}, not a directory; "
+                "give a path inside a directory"
+            ) from None
+        return
+    if stat.S_ISDIR(mode) and _read_meta_quiet(target) is not None:
+        return
+    raise CheckpointError(f"cannot save a checkpoint at {target}: it is {_what_is_at(target, mode)}{fix}")
+
+
+def prepare_target(target: Path) -> Path:
+    """Check ``target`` (:func:`check_target`), tidy what dead saves left beside it, and make the
+    temp directory the checkpoint is written into; nothing is written when ``target`` is refused."""
+    check_target(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(target.parent)
+    return temp_dir_for(target)
+
+
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _renameat2: list[Any] = []  # libc's renameat2, looked up once ([None] where there is none)
@@ -276,7 +327,8 @@ def commit(tmp: Path, target: Path) -> None:
     moment, and :func:`resolve_checkpoint` (also through a ``last`` link) then loads the previous
     checkpoint from there; the next save puts it back or removes it (:func:`remove_stale_temps`).
     """
-    if not target.exists():
+    check_target(target)  # again: something else may have been put there while the files were written
+    if not os.path.lexists(target):
         os.rename(tmp, target)
         fsync_dir(target.parent)
         return

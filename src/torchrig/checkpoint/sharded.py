@@ -38,9 +38,8 @@ from torchrig.checkpoint.files import (
     commit,
     discard,
     hash_existing,
+    prepare_target,
     raise_no_space,
-    remove_stale_temps,
-    temp_dir_for,
     update_link,
     write_meta,
     write_torch,
@@ -110,10 +109,16 @@ def start(
     modules, optims, rest = split(state)
     shards = dcp_state(modules, optims)
     payload = collect(rig, rest)
+    made: tuple[str, str] | None = None
     if rig.is_global_zero:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(target.parent)
-    tmp = Path(rig.broadcast(str(temp_dir_for(target)) if rig.is_global_zero else None))
+        try:
+            made = ("tmp", str(prepare_target(target)))
+        except CheckpointError as err:  # every rank refuses the save, none is left waiting
+            made = ("refused", str(err))
+    kind, text = rig.broadcast(made)
+    if kind == "refused":
+        raise CheckpointError(text)
+    tmp = Path(text)
     ready: Callable[[], None] | None = None
     if blocking:
         written: Callable[[], Any] = functools.partial(dcp.save, shards, checkpoint_id=tmp)
