@@ -65,7 +65,7 @@ def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | N
         tensors = sum(len(sd) for sd in payload["modules"].values())
         meta = base_meta(rig, payload["entries"], payload["blob"]["values"])
         meta.update(sharded=False, files=table, tensors=tensors, **payload["counts"])
-        write_meta(tmp, meta)
+        write_meta(tmp, meta, target)
         commit(tmp, target)
     except BaseException as err:
         discard(tmp)

@@ -158,10 +158,45 @@ def hash_existing(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     return {n: {"size": (folder / n).stat().st_size, "sha256": d} for n, d in zip(names, digests, strict=True)}
 
 
-def write_meta(folder: Path, meta: dict[str, Any]) -> None:
-    """``meta.json`` goes last: its presence is what makes a directory a checkpoint."""
+def write_meta(folder: Path, meta: dict[str, Any], target: Path) -> None:
+    """``meta.json`` goes last: its presence is what makes a directory a checkpoint.
+
+    It records ``save_count``, one more than any checkpoint beside ``target`` has: the order of
+    saves in that folder, which ranks checkpoints of the same step (:func:`progress`), whatever
+    the clocks of the machines that wrote them say.
+    """
+    counts = [int(m.get("save_count", 0)) for m, _ in checkpoints_beside(target)]
+    meta["save_count"] = max(counts, default=0) + 1
     _write_fsync(folder / META, json.dumps(meta, indent=1, sort_keys=True).encode())
     fsync_dir(folder)
+
+
+def progress(meta: dict[str, Any] | None) -> tuple[int, float, int]:
+    """How far training had got when a checkpoint was saved, for ordering: its step (a checkpoint
+    with no numeric step ranks below every one with a step), then its ``save_count``; never a clock
+    (a requeued job's node may be hours behind). ``None`` (no valid ``meta.json``) ranks lowest."""
+    if meta is None:
+        return (-1, 0.0, 0)
+    step = meta.get("step")
+    count = int(meta.get("save_count", 0))
+    if isinstance(step, (int, float)) and not isinstance(step, bool) and step == step:  # not NaN
+        return (1, float(step), count)
+    return (0, 0.0, count)
+
+
+def checkpoints_beside(target: Path) -> list[tuple[dict[str, Any], Path]]:
+    """The torchrig checkpoints next to ``target`` (visible real directories with a valid ``meta.json``,
+    ``target`` itself left out) with their ``meta.json``."""
+    if not target.parent.is_dir():
+        return []
+    found = []
+    for p in target.parent.iterdir():
+        if p.name.startswith(".") or p.is_symlink() or not p.is_dir() or p == target:
+            continue
+        meta = _read_meta_quiet(p)
+        if meta is not None:
+            found.append((meta, p))
+    return found
 
 
 # -- committing ---------------------------------------------------------------------------
@@ -369,20 +404,14 @@ def _read_meta_quiet(folder: Path) -> dict[str, Any] | None:
 
 
 def apply_retention(target: Path, keep_last: int) -> list[Path]:
-    """Delete the oldest checkpoints next to ``target`` so that ``keep_last`` remain; returns them.
+    """Delete the checkpoints next to ``target`` least far in training (:func:`progress`: step, then
+    the order of saves) so that ``keep_last`` remain; returns them.
 
     Only visible sibling directories holding a torchrig ``meta.json`` count; ``target`` is kept.
     Another process may save and prune in the same folder: a checkpoint it removed meanwhile is
     simply no longer counted.
     """
-    found: list[tuple[int, Path]] = []
-    for p in target.parent.iterdir():
-        if p.name.startswith(".") or p.is_symlink() or not p.is_dir() or p == target:
-            continue
-        meta = _read_meta_quiet(p)
-        if meta is not None:
-            found.append((int(meta.get("saved_at_ns", 0)), p))
-    found.sort()
+    found = sorted(((progress(m), p) for m, p in checkpoints_beside(target)), key=lambda f: f[0])
     doomed = [p for _, p in found[: max(0, len(found) - (keep_last - 1))]]
     for p in doomed:
         _remove_checkpoint(p, ignore_errors=False)
@@ -416,7 +445,7 @@ def remove_stale_temps(parent: Path) -> None:
     to ``NAME`` first. Only leftovers of this host, boot and pid namespace whose process is gone
     are touched, and those of an earlier boot of this host; never another machine's.
     """
-    olds: dict[str, list[tuple[int, Path]]] = {}
+    olds: dict[str, list[tuple[tuple[int, float, int], Path]]] = {}
     for p in parent.glob(".*-*"):
         m = _LEFTOVER.fullmatch(p.name)
         if m is None or not _dead(m, p):
@@ -427,11 +456,10 @@ def remove_stale_temps(parent: Path) -> None:
         elif m["kind"] == "tmp":
             shutil.rmtree(p, ignore_errors=True)
         else:
-            meta = _read_meta_quiet(p)
-            olds.setdefault(m["name"], []).append((int(meta.get("saved_at_ns", 0)) if meta else -1, p))
+            olds.setdefault(m["name"], []).append((progress(_read_meta_quiet(p)), p))
     for name, copies in olds.items():
-        copies.sort()
-        if not os.path.lexists(parent / name) and copies[-1][0] >= 0:
+        copies.sort(key=lambda c: c[0])
+        if not os.path.lexists(parent / name) and copies[-1][0][0] >= 0:  # the newest whole copy
             with contextlib.suppress(OSError):
                 os.rename(copies.pop()[1], parent / name)
                 fsync_dir(parent)
@@ -464,9 +492,9 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return p
     if p.exists():
         raise CheckpointError(f"{p} is a file, but a torchrig checkpoint is a directory holding {META}")
-    olds = [(m.get("saved_at_ns", 0), q) for q in _glob(p.parent, f".{p.name}.old-*") if (m := _read_meta_quiet(q))]
+    olds = [(progress(m), q) for q in _glob(p.parent, f".{p.name}.old-*") if (m := _read_meta_quiet(q))]
     if olds:
-        old = max(olds)[1]  # the newest whole copy
+        old = max(olds, key=lambda o: o[0])[1]  # the newest whole copy
         warnings.warn(
             f"{p} is missing because a save was interrupted while replacing it; loading the previous "
             f"checkpoint from {old}",

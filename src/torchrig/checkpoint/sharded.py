@@ -226,7 +226,7 @@ def _finish(
     md = parse_dcp_metadata(tmp / DCP_METADATA, read_regular(tmp / DCP_METADATA), files=table)  # as loads read it
     counts = module_counts(modules.values())  # full sizes: a DTensor's numel is the whole tensor's
     meta.update(sharded=True, files=table, tensors=_count_tensors(md, list(modules)), **counts)
-    write_meta(tmp, meta)
+    write_meta(tmp, meta, target)
     commit(tmp, target)
     if link:
         update_link(target, link)
