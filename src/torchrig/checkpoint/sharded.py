@@ -82,14 +82,32 @@ def split(state: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, Any], 
     return modules, optims, rest
 
 
-def dcp_state(modules: dict[str, nn.Module], optims: dict[str, Any]) -> dict[str, Any]:
-    """DCP's state dicts of ``modules`` and ``optims`` (each optimizer through the module it optimizes)."""
+def dcp_state(modules: dict[str, nn.Module], optims: dict[str, Any], stateless: frozenset[str]) -> dict[str, Any]:
+    """DCP's state dicts of ``modules`` and ``optims`` (each optimizer through the module it optimizes).
+
+    ``stateless`` names the optimizers whose state dict is to hold no per-parameter state: one
+    saved before its first step, or loaded from such a checkpoint. DCP's
+    ``get_optimizer_state_dict`` makes state for an optimizer without any by running ``step()``
+    with zero gradients (AdamW's step counter then runs one ahead); that state is taken away again,
+    so neither a save nor a load changes the optimizer beyond what the checkpoint holds.
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out: dict[str, Any] = {k: get_model_state_dict(m) for k, m in modules.items()}
     for k, o in optims.items():
+        fresh = not o.state
         out[k] = get_optimizer_state_dict(_owner(modules, o), o)
+        if k in stateless:
+            out[k]["state"] = {}
+            if fresh:
+                o.state.clear()  # DCP's zero step made it
     return out
+
+
+def _stateless_in(md: Any, optims: dict[str, Any]) -> frozenset[str]:
+    """The optimizers of ``optims`` that DCP's metadata ``md`` holds no per-parameter state for."""
+    keys = md.state_dict_metadata
+    return frozenset(k for k in optims if not any(name.startswith(f"{k}.state.") for name in keys))
 
 
 def start(
@@ -107,7 +125,7 @@ def start(
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     modules, optims, rest = split(state)
-    shards = dcp_state(modules, optims)
+    shards = dcp_state(modules, optims, frozenset(k for k, o in optims.items() if not o.state))
     payload = collect(rig, rest)
     made: tuple[str, str] | None = None
     if rig.is_global_zero:
@@ -266,9 +284,8 @@ def load(
         blob = safe_torch_load(reader.path(STATE_FILE), map_location=rig.device)
     _compare(md, modules, strict)
     _check_before_dcp(entries, blob, modules, optims, rest, strict=strict)
-    shards = dcp_state(
-        {k: m for k, m in modules.items() if k in entries}, {k: o for k, o in optims.items() if k in entries}
-    )
+    wanted = {k: o for k, o in optims.items() if k in entries}
+    shards = dcp_state({k: m for k, m in modules.items() if k in entries}, wanted, _stateless_in(md, wanted))
     with refuse_code(folder):
         dcp.load(shards, storage_reader=checked_reader(folder, md), planner=safe_planner())
     for k, m in modules.items():
