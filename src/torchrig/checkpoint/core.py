@@ -19,15 +19,12 @@ from torchrig.checkpoint.entries import base_meta, check_key, collect
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.files import (
     FileSet,
-    apply_retention,
     check_target,
-    commit,
     discard,
     prepare_target,
-    raise_no_space,
+    publish,
     resolve_checkpoint,
-    update_link,
-    write_meta,
+    uncommitted,
     write_torch,
 )
 from torchrig.checkpoint.meta import STATE_FILE, STATE_TENSORS
@@ -49,32 +46,27 @@ from torchrig.checkpoint.tensors import (
 def write(rig: Any, target: Path, payload: dict[str, Any], *, keep_last: int | None, link: str | None) -> None:
     """Rank zero: write every file into a temp dir, fsync, then rename it into place (``payload``
     passed :func:`check_weights_only`)."""
-    tmp = prepare_target(target)
-    try:
-        with FileSet(tmp) as files:
-            blob, external, where = extract_tensors(payload["blob"])
-            names = add_tensor_files(files, STATE_TENSORS, external) if external else []
-            blob["external"] = {"files": names, "where": where}
-            files.add(STATE_FILE, functools.partial(write_torch, obj=blob))
-            for key, sd in payload["modules"].items():
-                entry = payload["entries"][key]
-                entry["files"] = add_tensor_files(files, key, sd)
-                if len(entry["files"]) > 1:
-                    del entry["file"]  # format 1 readers would see only the first shard
-            table = files.finish()
-        tensors = sum(len(sd) for sd in payload["modules"].values())
-        meta = base_meta(rig, payload["entries"], payload["blob"]["values"])
-        meta.update(sharded=False, files=table, tensors=tensors, **payload["counts"])
-        write_meta(tmp, meta, target)
-        commit(tmp, target)
-    except BaseException as err:
-        discard(tmp)
-        raise_no_space(err, target, payload_bytes(payload))
-        raise
-    if link:
-        update_link(target, link)
-    if keep_last is not None:
-        apply_retention(target, keep_last)
+    with uncommitted(target, lambda: payload_bytes(payload)):
+        tmp = prepare_target(target, link)
+        try:
+            with FileSet(tmp) as files:
+                blob, external, where = extract_tensors(payload["blob"])
+                names = add_tensor_files(files, STATE_TENSORS, external) if external else []
+                blob["external"] = {"files": names, "where": where}
+                files.add(STATE_FILE, functools.partial(write_torch, obj=blob))
+                for key, sd in payload["modules"].items():
+                    entry = payload["entries"][key]
+                    entry["files"] = add_tensor_files(files, key, sd)
+                    if len(entry["files"]) > 1:
+                        del entry["file"]  # format 1 readers would see only the first shard
+                table = files.finish()
+            tensors = sum(len(sd) for sd in payload["modules"].values())
+            meta = base_meta(rig, payload["entries"], payload["blob"]["values"])
+            meta.update(sharded=False, files=table, tensors=tensors, **payload["counts"])
+            publish(tmp, target, meta, link=link, keep_last=keep_last)
+        except BaseException:
+            discard(tmp)  # gone already once committed
+            raise
 
 
 @overload
@@ -193,7 +185,7 @@ def _start_whole(
     if not rig.is_global_zero:
         return None
     check_weights_only(payload["blob"])  # fails before any file is touched
-    check_target(target)  # here too, so a background save is refused at once
+    check_target(target, link)  # here too, so a background save is refused at once
     ready: Callable[[], None] | None = None
     if not blocking:
         optimizers = {k: getattr(o, "optimizer", o) for k, o in state.items() if isinstance(o, torch.optim.Optimizer)}

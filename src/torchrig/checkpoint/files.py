@@ -21,7 +21,7 @@ import stat
 import sys
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -268,13 +268,16 @@ def _what_is_at(path: Path, mode: int) -> str:
     return "a device or socket"
 
 
-def check_target(target: Path) -> None:
-    """Refuse to save at ``target`` unless nothing is there or a torchrig checkpoint is.
+def check_target(target: Path, link: str | None = None) -> None:
+    """Refuse to save at ``target`` unless nothing is there or a torchrig checkpoint is (and,
+    with ``link``, unless that name beside it is missing or a symlink).
 
     A checkpoint is a real directory (not a link) holding a valid ``meta.json``; anything else
     (a folder of results, the current directory, a link, a file, a FIFO) is the user's and is
     never replaced: a :class:`CheckpointError` names the path and what is there.
     """
+    if link:
+        _check_link(target.parent / link)
     fix = (
         "; only a missing path or a torchrig checkpoint (a directory holding its meta.json, not a link) is "
         "replaced: give a new path such as 'checkpoints/step-000100', or remove what is there yourself"
@@ -297,10 +300,11 @@ def check_target(target: Path) -> None:
     raise CheckpointError(f"cannot save a checkpoint at {target}: it is {_what_is_at(target, mode)}{fix}")
 
 
-def prepare_target(target: Path) -> Path:
-    """Check ``target`` (:func:`check_target`), tidy what dead saves left beside it, and make the
-    temp directory the checkpoint is written into; nothing is written when ``target`` is refused."""
-    check_target(target)
+def prepare_target(target: Path, link: str | None) -> Path:
+    """Check ``target`` (:func:`check_target`) and the ``link`` beside it, tidy what dead saves left
+    there, and make the temp directory the checkpoint is written into; nothing is written when
+    either is refused."""
+    check_target(target, link)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target.parent)
     return temp_dir_for(target)
@@ -382,13 +386,80 @@ def discard(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def publish(tmp: Path, target: Path, meta: dict[str, Any], *, link: str | None, keep_last: int | None) -> None:
+    """The end of every save, whole or sharded: ``meta.json`` into the finished ``tmp``, the commit
+    to ``target``, then the ``link`` and ``keep_last``. A failure after the commit is a
+    :class:`CheckpointError` saying that the checkpoint was committed and where the link points."""
+    write_meta(tmp, meta, target)
+    commit(tmp, target)
+    if link:
+        where = target.parent / link
+        before = os.readlink(where) if where.is_symlink() else None
+        try:
+            update_link(target, link)
+        except (OSError, CheckpointError) as err:
+            was = f"still points at {before!r}" if before is not None else "was not made"
+            raise CheckpointError(
+                f"the checkpoint {target} was committed, but the {link!r} link was not moved to it "
+                f"({type(err).__name__}: {err}); {where} {was}. Load {target} by its name; the next save "
+                "moves the link"
+            ) from err
+    if keep_last is not None:
+        try:
+            apply_retention(target, keep_last)
+        except OSError as err:
+            moved = f" and the {link!r} link points at it" if link else ""
+            raise CheckpointError(
+                f"the checkpoint {target} was committed{moved}, but removing older checkpoints "
+                f"(keep_last={keep_last}) failed ({type(err).__name__}: {err}); the next save tries again"
+            ) from err
+
+
+@contextlib.contextmanager
+def uncommitted(target: Path, needed: Callable[[], int]) -> Iterator[None]:
+    """Turn a failure of a save before its commit into a :class:`CheckpointError` that says so and
+    that nothing was replaced (a full disk or no inodes named as such, with ``needed()`` bytes).
+
+    Refusals (``CheckpointError``, ``TypeError`` and ``ValueError`` about the state or the path),
+    errors after the commit (:func:`publish`) and interrupts pass through as they are.
+    """
+    try:
+        yield
+    except BaseException as err:
+        failure = _not_committed(err, target, needed)
+        if failure is None:
+            raise
+        raise failure from err
+
+
+def _not_committed(err: BaseException, target: Path, needed: Callable[[], int]) -> CheckpointError | None:
+    if isinstance(err, CheckpointError):  # a refusal, or a failure after the commit saying so
+        return None
+    if _no_space(err):
+        return _no_space_error(target, needed())
+    dcp = sys.modules.get("torch.distributed.checkpoint.api")  # DCP's CheckpointException, a BaseException
+    dcp_failure = dcp is not None and isinstance(err, dcp.CheckpointException)
+    if isinstance(err, (TypeError, ValueError)) or not (
+        isinstance(err, (OSError, RuntimeError)) or dcp_failure
+    ):
+        return None
+    return CheckpointError(
+        f"saving {target} failed before the checkpoint was committed ({type(err).__name__}: {err}); "
+        "nothing was replaced (the previous checkpoint and the link are as they were)"
+    )
+
+
+def _check_link(link: Path) -> None:
+    if os.path.lexists(link) and not link.is_symlink():
+        raise CheckpointError(
+            f"cannot update the {link.name!r} link: {link} exists and is not a symlink; remove it or pass link=None"
+        )
+
+
 def update_link(target: Path, name: str) -> None:
     """Point ``target.parent / name`` at ``target`` by replacing a temporary symlink over it."""
     link = target.parent / name
-    if link.exists() and not link.is_symlink():
-        raise CheckpointError(
-            f"cannot update the {name!r} link: {link} exists and is not a symlink; remove it or pass link=None"
-        )
+    _check_link(link)
     tmp = leftover_name(link, "link")
     os.symlink(target.name, tmp, target_is_directory=True)
     os.replace(tmp, link)
@@ -526,15 +597,35 @@ def _no_space(err: BaseException | None) -> bool:
     return False
 
 
-def raise_no_space(err: BaseException, target: Path, needed: int) -> None:
-    """A :class:`CheckpointError` saying how much room the checkpoint needs, if ``err`` is a full disk."""
-    if not _no_space(err):
-        return
+_FEW_INODES = 1024  # fewer free than this after a save failed for want of space: inodes ran out
+
+
+def _no_space_error(target: Path, needed: int) -> CheckpointError:
+    """What a full disk says: the room the checkpoint needs and what is free, in bytes and inodes
+    (measured once the temp directory is gone); with bytes to spare, it ran out of inodes (or a quota)."""
+    nothing = "nothing was replaced (the previous checkpoint and the link are as they were)"
     try:
-        free = f"{shutil.disk_usage(target.parent).free / 1e6:.1f} MB free"
-    except OSError:
-        free = "free space unknown"
-    raise CheckpointError(
-        f"no space left on device at {target}: the checkpoint needs about {needed / 1e6:.1f} MB, {free}; "
-        "nothing was replaced (the previous checkpoint and the link are as they were)"
-    ) from err
+        st = os.statvfs(target.parent)
+    except (OSError, AttributeError):  # no statvfs on Windows
+        try:
+            free_bytes: int | None = shutil.disk_usage(target.parent).free
+        except OSError:
+            free_bytes = None
+        inodes = None
+    else:
+        free_bytes, inodes = st.f_bavail * st.f_frsize, (st.f_favail if st.f_files else None)
+    if free_bytes is None:
+        return CheckpointError(
+            f"no space left on device at {target}: the checkpoint needs about {needed / 1e6:.1f} MB, "
+            f"free space unknown; {nothing}"
+        )
+    free = f"{free_bytes / 1e6:.1f} MB free"
+    if free_bytes > needed and inodes is not None and inodes < _FEW_INODES:
+        return CheckpointError(
+            f"no space left on device at {target}: the file system is out of inodes (room for new files and "
+            f"directories, see `df -i`: {inodes} free), not of space ({free}, the checkpoint needs about "
+            f"{needed / 1e6:.1f} MB); remove files there or save elsewhere; {nothing}"
+        )
+    return CheckpointError(
+        f"no space left on device at {target}: the checkpoint needs about {needed / 1e6:.1f} MB, {free}; {nothing}"
+    )

@@ -34,14 +34,11 @@ from torchrig.checkpoint.entries import base_meta, collect, is_stateful, module_
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.files import (
     FileSet,
-    apply_retention,
-    commit,
     discard,
     hash_existing,
     prepare_target,
-    raise_no_space,
-    update_link,
-    write_meta,
+    publish,
+    uncommitted,
     write_torch,
 )
 from torchrig.checkpoint.meta import DCP_METADATA, STATE_FILE
@@ -130,7 +127,8 @@ def start(
     made: tuple[str, str] | None = None
     if rig.is_global_zero:
         try:
-            made = ("tmp", str(prepare_target(target)))
+            with uncommitted(target, lambda: 0):
+                made = ("tmp", str(prepare_target(target, link)))
         except CheckpointError as err:  # every rank refuses the save, none is left waiting
             made = ("refused", str(err))
     kind, text = rig.broadcast(made)
@@ -162,20 +160,21 @@ def start(
             snapshot = to_host(payload["blob"], host_buffers(rig))  # no optimizer: DCP's
             payload, ready = {**payload, "blob": snapshot.tree}, snapshot.ready
 
+    def needed() -> int:
+        return rig.world_size * _local_bytes(shards) + payload_bytes({"modules": {}, "blob": payload["blob"]})
+
     def job() -> None:
-        try:
-            written()  # FileSystemWriter fsyncs every file; a failure on any rank is raised on every rank
-            if rig.is_global_zero:
-                if ready is not None:
-                    ready()
-                _finish(rig, tmp, target, payload, modules, optims, keep_last=keep_last, link=link)
-        except BaseException as err:
-            if rig.is_global_zero:
-                discard(tmp)
-            blob_bytes = payload_bytes({"modules": {}, "blob": payload["blob"]})
-            needed = rig.world_size * _local_bytes(shards) + blob_bytes
-            raise_no_space(err, target, needed)
-            raise
+        with uncommitted(target, needed):
+            try:
+                written()  # FileSystemWriter fsyncs every file; a failure on any rank is raised on every rank
+                if rig.is_global_zero:
+                    if ready is not None:
+                        ready()
+                    _finish(rig, tmp, target, payload, modules, optims, keep_last=keep_last, link=link)
+            except BaseException:
+                if rig.is_global_zero:
+                    discard(tmp)
+                raise
 
     return job
 
@@ -244,12 +243,7 @@ def _finish(
     md = parse_dcp_metadata(tmp / DCP_METADATA, read_regular(tmp / DCP_METADATA), files=table)  # as loads read it
     counts = module_counts(modules.values())  # full sizes: a DTensor's numel is the whole tensor's
     meta.update(sharded=True, files=table, tensors=_count_tensors(md, list(modules)), **counts)
-    write_meta(tmp, meta, target)
-    commit(tmp, target)
-    if link:
-        update_link(target, link)
-    if keep_last is not None:
-        apply_retention(target, keep_last)
+    publish(tmp, target, meta, link=link, keep_last=keep_last)
 
 
 def _count_tensors(md: Any, module_keys: list[str]) -> int:
