@@ -151,6 +151,16 @@ class VerifiedReader:
                 "the file was altered or corrupted, refusing to load it"
             )
 
+    def checked_bytes(self, name: str) -> bytes:
+        """The bytes of ``name``, read once, compared with the SHA-256 ``meta.json`` lists (with
+        ``verify``) before anyone parses them: for a file whose parsing itself must not see
+        altered bytes (DCP's ``.metadata`` pickle)."""
+        path = self.path(name, hashing=False)
+        data = read_regular(path)
+        if self.verify:
+            self.compare(name, hashlib.sha256(data).hexdigest())
+        return data
+
     def submit(self, name: str, fn: Callable[[Path, bool], tuple[Any, str | None]]) -> Future[Any]:
         """Run ``fn(path, hashing) -> (result, SHA-256 of the bytes it read)`` on the pool.
 

@@ -26,7 +26,6 @@ from torchrig.checkpoint.compare import compare_module, load_problems
 from torchrig.checkpoint.dcp_safe import (
     checked_reader,
     parse_dcp_metadata,
-    read_dcp_metadata,
     refuse_code,
     safe_planner,
 )
@@ -54,8 +53,8 @@ def _verified_metadata(reader: Any, meta: dict[str, Any]) -> Any:
     for name in meta["files"]:
         if name != DCP_METADATA:
             reader.path(name)
-    job = reader.submit(DCP_METADATA, functools.partial(read_dcp_metadata, files=frozenset(meta["files"])))
-    md = job.result()
+    data = reader.checked_bytes(DCP_METADATA)  # compared with meta.json before it is parsed
+    md = parse_dcp_metadata(reader.folder / DCP_METADATA, data, files=frozenset(meta["files"]))
     reader.check()
     return md
 
