@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import hashlib
 import io
 import json
@@ -242,10 +243,31 @@ def _boot_time() -> float | None:
     return None
 
 
+NAME_MAX = 255  # bytes in one file name: Linux's file systems, macOS and NTFS alike
+# What a leftover name adds to NAME, at most: ``.`` NAME ``.link-`` 3 x 8 hex and 2 dots, ``-PID`` (7
+# digits: Linux's largest pid), ``-`` 8 hex.
+_LEFTOVER_EXTRA = 1 + 6 + 26 + 8 + 9
+
+
+def _stem(name: str) -> str:
+    """``name`` as leftover names carry it: whole where the longest leftover name still fits in
+    :data:`NAME_MAX` bytes, else cut, with ``~`` and a hash of the whole name (the same in every
+    process, so a leftover of a long name is found again by that name)."""
+    room = NAME_MAX - _LEFTOVER_EXTRA
+    if len(os.fsencode(name)) <= room:
+        return name
+    cut = name
+    while len(os.fsencode(cut)) > room - 9:
+        cut = cut[:-1]
+    return f"{cut}~{_tag(name)}"
+
+
 def leftover_name(target: Path, kind: str) -> Path:
-    """A fresh ``.NAME.KIND-OWNER-RANDOM`` path next to ``target`` (see :data:`_LEFTOVER`)."""
+    """A fresh ``.NAME.KIND-OWNER-RANDOM`` path next to ``target`` (see :data:`_LEFTOVER`); it fits in
+    a file name whenever ``target``'s name does (a long NAME is cut, see :func:`_stem`)."""
     host, boot, ns = _origin()
-    return target.parent / f".{target.name}.{kind}-{host}.{boot}.{ns}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    owner = f"{host}.{boot}.{ns}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return target.parent / f".{_stem(target.name)}.{kind}-{owner}"
 
 
 def temp_dir_for(target: Path) -> Path:
@@ -276,14 +298,21 @@ def check_target(target: Path, link: str | None = None) -> None:
     (a folder of results, the current directory, a link, a file, a FIFO) is the user's and is
     never replaced: a :class:`CheckpointError` names the path and what is there.
     """
-    if link:
-        _check_link(target.parent / link)
     fix = (
         "; only a missing path or a torchrig checkpoint (a directory holding its meta.json, not a link) is "
         "replaced: give a new path such as 'checkpoints/step-000100', or remove what is there yourself"
     )
     if target.name in ("", ".", ".."):
         raise CheckpointError(f"cannot save a checkpoint at {target}: it is the root of the file system{fix}")
+    for name in (target.name, link or ""):
+        if len(os.fsencode(name)) > NAME_MAX:
+            shown = target if name == target.name else target.parent / name
+            raise CheckpointError(
+                f"cannot save a checkpoint at {shown}: its name is {len(os.fsencode(name))} bytes long, and the file "
+                f"system allows {NAME_MAX}; give a shorter name"
+            )
+    if link:
+        _check_link(target.parent / link)
     try:
         mode = target.lstat().st_mode
     except FileNotFoundError:
@@ -306,7 +335,7 @@ def prepare_target(target: Path, link: str | None) -> Path:
     either is refused."""
     check_target(target, link)
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target.parent)
+    remove_stale_temps(target.parent, named=target.name)
     return temp_dir_for(target)
 
 
@@ -508,13 +537,14 @@ def _dead(m: re.Match[str], path: Path) -> bool:
     return pid != os.getpid() and not _alive(pid)
 
 
-def remove_stale_temps(parent: Path) -> None:
+def remove_stale_temps(parent: Path, *, named: str | None = None) -> None:
     """Tidy what saves that are over (killed mid-save) left in ``parent``.
 
     Temp dirs and temp links go. A ``.NAME.old-*`` copy goes if ``NAME`` is there; if ``NAME`` is
     missing (killed between the two renames of a replace) the newest whole copy is renamed back
     to ``NAME`` first. Only leftovers of this host, boot and pid namespace whose process is gone
-    are touched, and those of an earlier boot of this host; never another machine's.
+    are touched, and those of an earlier boot of this host; never another machine's. A NAME too
+    long to carry whole (:func:`_stem`) is known again only as ``named`` (the name being saved).
     """
     olds: dict[str, list[tuple[tuple[int, float, int], Path]]] = {}
     for p in parent.glob(".*-*"):
@@ -528,7 +558,8 @@ def remove_stale_temps(parent: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
         else:
             olds.setdefault(m["name"], []).append((progress(_read_meta_quiet(p)), p))
-    for name, copies in olds.items():
+    for stem, copies in olds.items():
+        name = named if named is not None and stem == _stem(named) else stem  # a long name's is cut
         copies.sort(key=lambda c: c[0])
         if not os.path.lexists(parent / name) and copies[-1][0][0] >= 0:  # the newest whole copy
             with contextlib.suppress(OSError):
@@ -563,7 +594,8 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return p
     if p.exists():
         raise CheckpointError(f"{p} is a file, but a torchrig checkpoint is a directory holding {META}")
-    olds = [(progress(m), q) for q in _glob(p.parent, f".{p.name}.old-*") if (m := _read_meta_quiet(q))]
+    copies = _glob(p.parent, f".{glob.escape(_stem(p.name))}.old-*")
+    olds = [(progress(m), q) for q in copies if (m := _read_meta_quiet(q))]
     if olds:
         old = max(olds, key=lambda o: o[0])[1]  # the newest whole copy
         warnings.warn(
