@@ -80,6 +80,14 @@ KINDS: dict[str, tuple[Callable[[Path], None], bool, str]] = {
 }
 
 
+def _box(tmp_path: Path, kind: str) -> tuple[Path, dict[str, str]]:
+    """``tmp_path/box`` with the ``kind`` of thing at ``box/t``, and its listing."""
+    box = tmp_path / "box"
+    box.mkdir()
+    KINDS[kind][0](box)
+    return box, listing(box)
+
+
 def _state(step: int) -> dict[str, Any]:
     torch.manual_seed(step)
     return {"model": nn.Linear(2, 2), "step": step}
@@ -88,11 +96,8 @@ def _state(step: int) -> dict[str, Any]:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_rig_save_writes_only_missing_paths_and_checkpoints(tmp_path: Path, kind: str) -> None:
-    make, writable, what = KINDS[kind]
-    box = tmp_path / "box"
-    box.mkdir()
-    make(box)
-    before = listing(box)
+    _, writable, what = KINDS[kind]
+    box, before = _box(tmp_path, kind)
     rig = torchrig.Rig(accelerator="cpu")
     if writable:
         rig.save(box / "t", _state(7))
@@ -132,11 +137,8 @@ def test_rig_save_refuses_the_current_directory_and_the_root(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "missing"])
 def test_model_checkpoint_writes_only_missing_paths_and_checkpoints(tmp_path: Path, kind: str) -> None:
-    make, writable, what = KINDS[kind]
-    box = tmp_path / "box"
-    box.mkdir()
-    make(box)
-    before = listing(box)
+    _, writable, what = KINDS[kind]
+    box, before = _box(tmp_path, kind)
     cb = torchrig.ModelCheckpoint(dirpath=box, filename="t", save_top_k=1)
     trainer = quiet_trainer(tmp_path, max_steps=2, enable_checkpointing=True, callbacks=[cb])
     if writable:

@@ -93,29 +93,6 @@ def _transforms(md: Any) -> None:
         info.transform_descriptors = ["no-such-transform"]
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
-@pytest.mark.timeout(60)
-def test_crafted_transform_descriptors_are_a_checkpoint_error(
-    sharded_checkpoint: Path,  # noqa: F811
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    path = Path(shutil.copytree(sharded_checkpoint, tmp_path / "ck"))
-    _rewrite_metadata(path, _transforms)
-    message = (
-        f"{path / '.metadata'} asks DCP to decode a shard with the stream transforms ['no-such-transform'], "
-        "which torchrig never writes; refusing to read it"
-    )
-    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
-    model, optimizer = _trained(rig, seed=1)
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        rig.load(path, {"model": model, "optimizer": optimizer})
-    capsys.readouterr()
-    assert main(["checkpoint", "consolidate", str(path), str(tmp_path / "out.safetensors")]) == 1
-    out, err = capsys.readouterr()
-    assert message in " ".join((out + err).split()) and "Traceback" not in out + err
-
-
 def _too_long(md: Any) -> None:
     for info in md.storage_data.values():
         info.length += 1 << 20  # past the end of its shard file
@@ -123,20 +100,35 @@ def _too_long(md: Any) -> None:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
 @pytest.mark.timeout(60)
-def test_what_dcp_raises_while_reading_is_a_checkpoint_error(
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            _transforms,
+            "{metadata} asks DCP to decode a shard with the stream transforms ['no-such-transform'], which torchrig "
+            "never writes; refusing to read it",
+        ),
+        (_too_long, "could not read the shards of {folder}: DCP failed on rank 0: "),
+    ],
+    ids=["crafted transform_descriptors", "what DCP raises while reading"],
+)
+def test_crafted_shard_entries_are_a_one_line_checkpoint_error(
     sharded_checkpoint: Path,  # noqa: F811
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    change: Any,
+    message: str,
 ) -> None:
     path = Path(shutil.copytree(sharded_checkpoint, tmp_path / "ck"))
-    _rewrite_metadata(path, _too_long)
+    _rewrite_metadata(path, change)
+    message = message.format(metadata=path / ".metadata", folder=path)
     rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
     model, optimizer = _trained(rig, seed=1)
     before = [p.full_tensor().detach().clone() for p in model.parameters()]
-    with pytest.raises(CheckpointError, match=re.escape(f"could not read the shards of {path}: DCP failed on rank 0")):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
         rig.load(path, {"model": model, "optimizer": optimizer})
     assert all(torch.equal(a.full_tensor(), b) for a, b in zip(model.parameters(), before, strict=True))
     capsys.readouterr()
     assert main(["checkpoint", "consolidate", str(path), str(tmp_path / "out.safetensors")]) == 1
     out, err = capsys.readouterr()
-    assert "could not read the shards of" in out + err and "Traceback" not in out + err
+    assert message in " ".join((out + err).split()) and "Traceback" not in out + err

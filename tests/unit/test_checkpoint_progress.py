@@ -20,17 +20,22 @@ def _behind(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr(time, "time_ns", lambda: real() - int(seconds * 1e9))
 
 
+_MODEL = nn.Linear(2, 2)
+
+
+def _save(path: Path, step: int | None, keep_last: int | None = None) -> None:
+    state: dict[str, object] = {"model": _MODEL} if step is None else {"model": _MODEL, "step": step}
+    torchrig.Rig(accelerator="cpu").save(path, state, keep_last=keep_last)
+
+
 @pytest.mark.timeout(30)
 def test_keep_last_keeps_the_newest_steps_when_a_node_clock_is_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rig = torchrig.Rig(accelerator="cpu")
-    model = nn.Linear(2, 2)
-    for step in (1, 2, 3):
-        rig.save(tmp_path / f"step-{step}", {"model": model, "step": step}, keep_last=2)
-    _behind(monkeypatch, 3600)  # requeued on a node whose clock is an hour behind
-    for step in (4, 5):
-        rig.save(tmp_path / f"step-{step}", {"model": model, "step": step}, keep_last=2)
+    for step in (1, 2, 3, 4, 5):
+        if step == 4:
+            _behind(monkeypatch, 3600)  # requeued on a node whose clock is an hour behind
+        _save(tmp_path / f"step-{step}", step, keep_last=2)
     assert _names(tmp_path) == ["step-4", "step-5"]
     assert torchrig.checkpoint.read_values(tmp_path / "last")["step"] == 5
 
@@ -39,12 +44,10 @@ def test_keep_last_keeps_the_newest_steps_when_a_node_clock_is_behind(
 def test_at_the_same_step_the_later_save_is_kept_whatever_the_clock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rig = torchrig.Rig(accelerator="cpu")
-    model = nn.Linear(2, 2)
-    rig.save(tmp_path / "a", {"model": model, "step": 3})
+    _save(tmp_path / "a", 3)
     _behind(monkeypatch, 3600)
-    rig.save(tmp_path / "b", {"model": model, "step": 3})  # saved later, its clock says earlier
-    rig.save(tmp_path / "c", {"model": model, "step": 3}, keep_last=2)
+    _save(tmp_path / "b", 3)  # saved later, its clock says earlier
+    _save(tmp_path / "c", 3, keep_last=2)
     assert _names(tmp_path) == ["b", "c"]
     counts = [torchrig.checkpoint.describe(tmp_path / n)["save_count"] for n in ("b", "c")]
     assert counts == [2, 3]
@@ -54,9 +57,7 @@ def test_at_the_same_step_the_later_save_is_kept_whatever_the_clock(
 def test_checkpoints_without_a_step_are_ranked_by_the_order_they_were_saved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rig = torchrig.Rig(accelerator="cpu")
-    model = nn.Linear(2, 2)
     for i, name in enumerate(["x", "y", "z"]):
         _behind(monkeypatch, 600 * i)  # each clock further behind than the last
-        rig.save(tmp_path / name, {"model": model}, keep_last=2)
+        _save(tmp_path / name, None, keep_last=2)
     assert _names(tmp_path) == ["y", "z"]
