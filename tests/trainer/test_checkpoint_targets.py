@@ -72,6 +72,16 @@ KINDS: dict[str, tuple[Callable[[Path], None], bool, str]] = {
         False,
         r"a symbolic link \(to 'step-2'\)",
     ),
+    "link to empty dir": (
+        lambda box: ((box / "e").mkdir(), (box / "t").symlink_to("e")),
+        False,
+        r"a symbolic link \(to 'e'\)",
+    ),
+    "link to fifo": (
+        lambda box: (os.mkfifo(box / "p"), (box / "t").symlink_to("p")),
+        False,
+        r"a symbolic link \(to 'p'\)",
+    ),
     "link to file": (
         lambda box: ((box / "f").write_text("f"), (box / "t").symlink_to("f")),
         False,
