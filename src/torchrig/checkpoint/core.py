@@ -17,14 +17,13 @@ from torchrig.checkpoint import sharded
 from torchrig.checkpoint.background import SaveHandle, settle_pending
 from torchrig.checkpoint.entries import base_meta, check_key, collect
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.failures import uncommitted
 from torchrig.checkpoint.files import (
     FileSet,
-    check_target,
     discard,
     prepare_target,
     publish,
     resolve_checkpoint,
-    uncommitted,
     write_torch,
 )
 from torchrig.checkpoint.meta import STATE_FILE, STATE_TENSORS
@@ -33,6 +32,7 @@ from torchrig.checkpoint.restore import apply_loaded, update_values
 from torchrig.checkpoint.rounds import all_ranks_arrive, shared_outcome
 from torchrig.checkpoint.snapshot import host_buffers, to_host
 from torchrig.checkpoint.storable import check_weights_only
+from torchrig.checkpoint.targets import check_target
 from torchrig.checkpoint.tensors import (
     add_tensor_files,
     extract_tensors,

@@ -18,11 +18,10 @@ import os
 import re
 import shutil
 import socket
-import stat
 import sys
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,9 @@ import torch
 
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import META
-from torchrig.checkpoint.reading import read_meta, sha256_file
+from torchrig.checkpoint.progress import checkpoints_beside, progress
+from torchrig.checkpoint.reading import read_meta_quiet, sha256_file
+from torchrig.checkpoint.targets import NAME_MAX, check_link, check_target
 
 _CHUNK = 16 << 20
 
@@ -172,34 +173,6 @@ def write_meta(folder: Path, meta: dict[str, Any], target: Path) -> None:
     fsync_dir(folder)
 
 
-def progress(meta: dict[str, Any] | None) -> tuple[int, float, int]:
-    """How far training had got when a checkpoint was saved, for ordering: its step (a checkpoint
-    with no numeric step ranks below every one with a step), then its ``save_count``; never a clock
-    (a requeued job's node may be hours behind). ``None`` (no valid ``meta.json``) ranks lowest."""
-    if meta is None:
-        return (-1, 0.0, 0)
-    step = meta.get("step")
-    count = int(meta.get("save_count", 0))
-    if isinstance(step, (int, float)) and not isinstance(step, bool) and step == step:  # not NaN
-        return (1, float(step), count)
-    return (0, 0.0, count)
-
-
-def checkpoints_beside(target: Path) -> list[tuple[dict[str, Any], Path]]:
-    """The torchrig checkpoints next to ``target`` (visible real directories with a valid ``meta.json``,
-    ``target`` itself left out) with their ``meta.json``."""
-    if not target.parent.is_dir():
-        return []
-    found = []
-    for p in target.parent.iterdir():
-        if p.name.startswith(".") or p.is_symlink() or not p.is_dir() or p == target:
-            continue
-        meta = _read_meta_quiet(p)
-        if meta is not None:
-            found.append((meta, p))
-    return found
-
-
 # -- committing ---------------------------------------------------------------------------
 # Names this process leaves next to a checkpoint while it saves: ``.NAME.tmp-OWNER-RANDOM`` (the
 # files being written), ``.NAME.old-OWNER-RANDOM`` (the previous checkpoint while it is replaced
@@ -243,7 +216,6 @@ def _boot_time() -> float | None:
     return None
 
 
-NAME_MAX = 255  # bytes in one file name: Linux's file systems, macOS and NTFS alike
 # What a leftover name adds to NAME, at most: ``.`` NAME ``.link-`` 3 x 8 hex and 2 dots, ``-PID`` (7
 # digits: Linux's largest pid), ``-`` 8 hex.
 _LEFTOVER_EXTRA = 1 + 6 + 26 + 8 + 9
@@ -276,57 +248,6 @@ def temp_dir_for(target: Path) -> Path:
     tmp = leftover_name(target, "tmp")
     tmp.mkdir()
     return tmp
-
-
-def _what_is_at(path: Path, mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return f"a symbolic link (to {os.readlink(path)!r})"
-    if stat.S_ISDIR(mode):
-        return f"a directory that is not a torchrig checkpoint (it has no valid {META})"
-    if stat.S_ISREG(mode):
-        return "a regular file"
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    return "a device or socket"
-
-
-def check_target(target: Path, link: str | None = None) -> None:
-    """Refuse to save at ``target`` unless nothing is there or a torchrig checkpoint is (and,
-    with ``link``, unless that name beside it is missing or a symlink).
-
-    A checkpoint is a real directory (not a link) holding a valid ``meta.json``; anything else
-    (a folder of results, the current directory, a link, a file, a FIFO) is the user's and is
-    never replaced: a :class:`CheckpointError` names the path and what is there.
-    """
-    fix = (
-        "; only a missing path or a torchrig checkpoint (a directory holding its meta.json, not a link) is "
-        "replaced: give a new path such as 'checkpoints/step-000100', or remove what is there yourself"
-    )
-    if target.name in ("", ".", ".."):
-        raise CheckpointError(f"cannot save a checkpoint at {target}: it is the root of the file system{fix}")
-    for name in (target.name, link or ""):
-        if len(os.fsencode(name)) > NAME_MAX:
-            shown = target if name == target.name else target.parent / name
-            raise CheckpointError(
-                f"cannot save a checkpoint at {shown}: its name is {len(os.fsencode(name))} bytes long, and the file "
-                f"system allows {NAME_MAX}; give a shorter name"
-            )
-    if link:
-        _check_link(target.parent / link)
-    try:
-        mode = target.lstat().st_mode
-    except FileNotFoundError:
-        parent = target.parent
-        if parent.exists() and not parent.is_dir():
-            what = _what_is_at(parent, parent.stat().st_mode)
-            raise CheckpointError(
-                f"cannot save a checkpoint at {target}: its folder {parent} is {what}, not a directory; "
-                "give a path inside a directory"
-            ) from None
-        return
-    if stat.S_ISDIR(mode) and _read_meta_quiet(target) is not None:
-        return
-    raise CheckpointError(f"cannot save a checkpoint at {target}: it is {_what_is_at(target, mode)}{fix}")
 
 
 def prepare_target(target: Path, link: str | None) -> Path:
@@ -444,63 +365,14 @@ def publish(tmp: Path, target: Path, meta: dict[str, Any], *, link: str | None, 
             ) from err
 
 
-@contextlib.contextmanager
-def uncommitted(target: Path, needed: Callable[[], int]) -> Iterator[None]:
-    """Turn a failure of a save before its commit into a :class:`CheckpointError` that says so and
-    that nothing was replaced (a full disk or no inodes named as such, with ``needed()`` bytes).
-
-    Refusals (``CheckpointError``, ``TypeError`` and ``ValueError`` about the state or the path),
-    errors after the commit (:func:`publish`) and interrupts pass through as they are.
-    """
-    try:
-        yield
-    except BaseException as err:
-        failure = _not_committed(err, target, needed)
-        if failure is None:
-            raise
-        raise failure from err
-
-
-def _not_committed(err: BaseException, target: Path, needed: Callable[[], int]) -> CheckpointError | None:
-    if isinstance(err, CheckpointError):  # a refusal, or a failure after the commit saying so
-        return None
-    if _no_space(err):
-        return _no_space_error(target, needed())
-    dcp = sys.modules.get("torch.distributed.checkpoint.api")  # DCP's CheckpointException, a BaseException
-    dcp_failure = dcp is not None and isinstance(err, dcp.CheckpointException)
-    if isinstance(err, (TypeError, ValueError)) or not (
-        isinstance(err, (OSError, RuntimeError)) or dcp_failure
-    ):
-        return None
-    return CheckpointError(
-        f"saving {target} failed before the checkpoint was committed ({type(err).__name__}: {err}); "
-        "nothing was replaced (the previous checkpoint and the link are as they were)"
-    )
-
-
-def _check_link(link: Path) -> None:
-    if os.path.lexists(link) and not link.is_symlink():
-        raise CheckpointError(
-            f"cannot update the {link.name!r} link: {link} exists and is not a symlink; remove it or pass link=None"
-        )
-
-
 def update_link(target: Path, name: str) -> None:
     """Point ``target.parent / name`` at ``target`` by replacing a temporary symlink over it."""
     link = target.parent / name
-    _check_link(link)
+    check_link(link)
     tmp = leftover_name(link, "link")
     os.symlink(target.name, tmp, target_is_directory=True)
     os.replace(tmp, link)
     fsync_dir(target.parent)
-
-
-def _read_meta_quiet(folder: Path) -> dict[str, Any] | None:
-    """:func:`read_meta`, or ``None`` where there is no valid one (a FIFO or a link is not read)."""
-    try:
-        return read_meta(folder)
-    except (OSError, CheckpointError):
-        return None
 
 
 def apply_retention(target: Path, keep_last: int) -> list[Path]:
@@ -557,7 +429,7 @@ def remove_stale_temps(parent: Path, *, named: str | None = None) -> None:
         elif m["kind"] == "tmp":
             shutil.rmtree(p, ignore_errors=True)
         else:
-            olds.setdefault(m["name"], []).append((progress(_read_meta_quiet(p)), p))
+            olds.setdefault(m["name"], []).append((progress(read_meta_quiet(p)), p))
     for stem, copies in olds.items():
         name = named if named is not None and stem == _stem(named) else stem  # a long name's is cut
         copies.sort(key=lambda c: c[0])
@@ -595,7 +467,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     if p.exists():
         raise CheckpointError(f"{p} is a file, but a torchrig checkpoint is a directory holding {META}")
     copies = _glob(p.parent, f".{glob.escape(_stem(p.name))}.old-*")
-    olds = [(progress(m), q) for q in copies if (m := _read_meta_quiet(q))]
+    olds = [(progress(m), q) for q in copies if (m := read_meta_quiet(q))]
     if olds:
         old = max(olds, key=lambda o: o[0])[1]  # the newest whole copy
         warnings.warn(
@@ -609,55 +481,3 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
 def _glob(folder: Path, pattern: str) -> list[Path]:
     return list(folder.glob(pattern)) if folder.is_dir() else []
-
-
-def _no_space(err: BaseException | None) -> bool:
-    """Whether ``err`` or an error it was raised from is a full disk (or quota): torch reports one as
-    ``unexpected pos`` with the ``OSError`` as its context, safetensors as ``(os error 28)``."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if f"(os error {errno.ENOSPC})" in str(err) or f"(os error {errno.EDQUOT})" in str(err):
-            return True
-        failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (error, traceback)}
-        causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
-        if any(isinstance(c, BaseException) and _no_space(c) for c in causes):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-_FEW_INODES = 1024  # fewer free than this after a save failed for want of space: inodes ran out
-
-
-def _no_space_error(target: Path, needed: int) -> CheckpointError:
-    """What a full disk says: the room the checkpoint needs and what is free, in bytes and inodes
-    (measured once the temp directory is gone); with bytes to spare, it ran out of inodes (or a quota)."""
-    nothing = "nothing was replaced (the previous checkpoint and the link are as they were)"
-    try:
-        st = os.statvfs(target.parent)
-    except (OSError, AttributeError):  # no statvfs on Windows
-        try:
-            free_bytes: int | None = shutil.disk_usage(target.parent).free
-        except OSError:
-            free_bytes = None
-        inodes = None
-    else:
-        free_bytes, inodes = st.f_bavail * st.f_frsize, (st.f_favail if st.f_files else None)
-    if free_bytes is None:
-        return CheckpointError(
-            f"no space left on device at {target}: the checkpoint needs about {needed / 1e6:.1f} MB, "
-            f"free space unknown; {nothing}"
-        )
-    free = f"{free_bytes / 1e6:.1f} MB free"
-    if free_bytes > needed and inodes is not None and inodes < _FEW_INODES:
-        return CheckpointError(
-            f"no space left on device at {target}: the file system is out of inodes (room for new files and "
-            f"directories, see `df -i`: {inodes} free), not of space ({free}, the checkpoint needs about "
-            f"{needed / 1e6:.1f} MB); remove files there or save elsewhere; {nothing}"
-        )
-    return CheckpointError(
-        f"no space left on device at {target}: the checkpoint needs about {needed / 1e6:.1f} MB, {free}; {nothing}"
-    )

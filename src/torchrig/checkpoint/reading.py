@@ -100,6 +100,14 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return validate_meta(meta, path)
 
 
+def read_meta_quiet(folder: Path) -> dict[str, Any] | None:
+    """:func:`read_meta`, or ``None`` where there is no valid one (a FIFO or a link is not read)."""
+    try:
+        return read_meta(folder)
+    except (OSError, CheckpointError):
+        return None
+
+
 class VerifiedReader:
     """Opens the files of a checkpoint, checking each size at once and its SHA-256 in a thread.
 

@@ -31,13 +31,13 @@ from torchrig.checkpoint.dcp_safe import (
 )
 from torchrig.checkpoint.entries import base_meta, collect, is_stateful, module_counts, qualname, user_module
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.failures import uncommitted
 from torchrig.checkpoint.files import (
     FileSet,
     discard,
     hash_existing,
     prepare_target,
     publish,
-    uncommitted,
     write_torch,
 )
 from torchrig.checkpoint.meta import DCP_METADATA, STATE_FILE

@@ -37,12 +37,12 @@ import torch
 from torchrig import arguments
 from torchrig.checkpoint.core import write
 from torchrig.checkpoint.errors import CheckpointError
-from torchrig.checkpoint.files import check_target
 from torchrig.checkpoint.peers.accelerate import read_accelerate
 from torchrig.checkpoint.peers.classes import optimizer_class, scheduler_class
 from torchrig.checkpoint.peers.lightning import read_lightning
 from torchrig.checkpoint.peers.sources import Peer
 from torchrig.checkpoint.storable import check_weights_only
+from torchrig.checkpoint.targets import check_target
 from torchrig.checkpoint.tensors import split_module_state
 
 __all__ = ["Imported", "import_checkpoint"]
