@@ -55,6 +55,22 @@ def test_restart_without_progress_stops_the_job(tmp_path: Path) -> None:
     assert "attempt 3" not in proc.stdout + proc.stderr, explain(proc)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_a_restart_without_progress_after_an_attempt_that_made_some_is_restarted(tmp_path: Path) -> None:
+    # Attempt 0 commits steps 5 and 10 and is killed at 13; restart 1 fails at step 12, before its
+    # first checkpoint; restart 2 must still run (only two attempts in a row without progress stop).
+    proc, out = _run(tmp_path, "once", "--kill-at", "13", "--fail-at", "12", "--fail-attempt", "1", restarts=3)
+    assert proc.returncode == 0, explain(proc)
+    assert "committed no checkpoint" not in proc.stderr, explain(proc)
+    for attempt in range(3):
+        assert f"attempt {attempt} starts at step {10 if attempt else 0}" in proc.stdout, explain(proc)
+    ref_proc, ref_out = _run(tmp_path, "reference", restarts=0)
+    assert ref_proc.returncode == 0, explain(ref_proc)
+    weights, ref = torch.load(out), torch.load(ref_out)
+    assert all(torch.equal(weights[k], v) for k, v in ref.items())
+
+
 def test_max_restarts_reaches_torchrun_and_is_checked() -> None:
     base = {
         "devices": "2",

@@ -20,11 +20,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchrig
-from torchrig.checkpoint import core, files
+from torchrig.checkpoint import files
 
 
 def pause_saves(seconds: float, emit: Callable[[str], None]) -> None:
-    durable, commit = files.durable, core.commit
+    durable, commit = files.durable, files.commit
 
     def slow_durable(path: Path) -> None:  # called once each file is written, to fsync it
         durable(path)
@@ -37,7 +37,7 @@ def pause_saves(seconds: float, emit: Callable[[str], None]) -> None:
         commit(tmp, target)
 
     files.durable = slow_durable
-    core.commit = slow_commit
+    files.commit = slow_commit
 
 
 def main(argv: list[str], emit: Callable[[str], None] = print) -> None:

@@ -240,7 +240,6 @@ def test_model_checkpoint_removes_old_checkpoints_only_after_the_new_one_is_comm
         real(tmp, target)
 
     monkeypatch.setattr(files, "commit", commit)
-    monkeypatch.setattr(core, "commit", commit)
     cb = torchrig.ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_last=True, async_save=True)
     trainer = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[cb])
     trainer.fit(Regressor(), loader(24))  # 6 steps: saves at 2, 4, 6
@@ -330,7 +329,7 @@ def test_a_stop_signal_waits_for_the_background_save_before_its_own(
         real(tmp, target)
         committed.append(target.name)
 
-    monkeypatch.setattr(core, "commit", commit)
+    monkeypatch.setattr(files, "commit", commit)
     folder = tmp_path / "ck"
     cb = torchrig.ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_last=True, async_save=True)
     callbacks = [cb, SendAt(stop_at)]

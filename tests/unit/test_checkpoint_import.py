@@ -364,7 +364,7 @@ def test_what_is_not_a_checkpoint_is_a_clear_error(tmp_path: Path, capsys: pytes
         ),
         (tmp_path / "missing", "out", "missing does not exist: give a Lightning .ckpt file or the directory"),
         (tmp_path / "empty", "out", "is not a directory Accelerate's save_state wrote: it has no model.safetensors"),
-        (LIGHTNING, "taken", "taken exists and is not a torchrig checkpoint; give a new path"),
+        (LIGHTNING, "taken", "taken: it is a directory that is not a torchrig checkpoint (it has no valid meta.json)"),
     ]
     for source, out, message in cases:
         code, _, err = run_import(capsys, source, tmp_path / out)

@@ -18,7 +18,7 @@ from torch import nn
 
 import torchrig
 from conftest import python_env
-from torchrig.checkpoint import files
+from torchrig.checkpoint import files, progress
 
 # One process imports torch once, then for every k forks a child that saves step 2 over step 1
 # (same name, ``last`` pointing at it) and dies (os._exit: no clean-up, as SIGKILL) at its k-th
@@ -230,15 +230,18 @@ def test_retention_moves_on_past_a_checkpoint_another_process_removed(
         _save(rig, tmp_path / f"step-{step}", step, link=None)
     # The other process prunes step-1 after this one listed the folder (its own retention ran
     # between this one's listing and removal): this one's removal then finds it gone.
-    real = files._read_meta_quiet
+    real = progress.read_meta_quiet
+    listings = []
 
     def listed_then_removed(folder: Path) -> dict[str, Any] | None:
         meta = real(folder)
         if folder.name == "step-1":
-            files.discard(folder)
+            listings.append(folder)
+            if len(listings) == 2:  # the first listing numbers the save (save_count), the second is retention's
+                files.discard(folder)
         return meta
 
-    monkeypatch.setattr(files, "_read_meta_quiet", listed_then_removed)
+    monkeypatch.setattr(progress, "read_meta_quiet", listed_then_removed)
     path = _save(rig, tmp_path / "step-4", 4, keep_last=2, link=None)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4"]

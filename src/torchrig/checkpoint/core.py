@@ -17,16 +17,12 @@ from torchrig.checkpoint import remote, sharded
 from torchrig.checkpoint.background import SaveHandle, settle_pending
 from torchrig.checkpoint.entries import base_meta, check_key, collect
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.failures import uncommitted
 from torchrig.checkpoint.files import (
     FileSet,
-    apply_retention,
-    commit,
     discard,
-    raise_no_space,
-    remove_stale_temps,
-    temp_dir_for,
-    update_link,
-    write_meta,
+    prepare_target,
+    publish,
     write_torch,
 )
 from torchrig.checkpoint.meta import STATE_FILE, STATE_TENSORS
@@ -36,6 +32,7 @@ from torchrig.checkpoint.restore import apply_loaded, update_values
 from torchrig.checkpoint.rounds import all_ranks_arrive, shared_outcome
 from torchrig.checkpoint.snapshot import host_buffers, to_host
 from torchrig.checkpoint.storable import check_weights_only
+from torchrig.checkpoint.targets import check_target
 from torchrig.checkpoint.tensors import (
     add_tensor_files,
     extract_tensors,
@@ -52,32 +49,23 @@ def write(
     """Rank zero: write every file into a temp dir, fsync, then rename it into place (``payload``
     passed :func:`check_weights_only`); on object storage, upload it by :func:`remote.commit`'s rule."""
     if isinstance(target, CheckpointURL):
-        with remote.staging() as tmp:
-            try:
-                fill(rig, tmp, payload)
-            except BaseException as err:
-                raise_no_space(err, tmp, payload_bytes(payload))
-                raise
-            remote.commit(tmp, target, link=link, keep_last=keep_last)
+        with remote.staging() as staged:
+            with uncommitted(staged, lambda: payload_bytes(payload)):  # the local staging copy
+                remote.stage_meta(staged, fill(rig, staged, payload))
+            remote.commit(staged, target, link=link, keep_last=keep_last)
         return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target.parent)
-    tmp = temp_dir_for(target)
-    try:
-        fill(rig, tmp, payload)
-        commit(tmp, target)
-    except BaseException as err:
-        discard(tmp)
-        raise_no_space(err, target, payload_bytes(payload))
-        raise
-    if link:
-        update_link(target, link)
-    if keep_last is not None:
-        apply_retention(target, keep_last)
+    with uncommitted(target, lambda: payload_bytes(payload)):
+        tmp = prepare_target(target, link)
+        try:
+            publish(tmp, target, fill(rig, tmp, payload), link=link, keep_last=keep_last)
+        except BaseException:
+            discard(tmp)  # gone already once committed
+            raise
 
 
-def fill(rig: Any, tmp: Path, payload: dict[str, Any]) -> None:
-    """Write every file of a whole checkpoint into the folder ``tmp``, ``meta.json`` last."""
+def fill(rig: Any, tmp: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    """Write every file of a whole checkpoint into the folder ``tmp``; its ``meta.json`` content,
+    which the commit writes last."""
     with FileSet(tmp) as files:
         blob, external, where = extract_tensors(payload["blob"])
         names = add_tensor_files(files, STATE_TENSORS, external) if external else []
@@ -92,7 +80,7 @@ def fill(rig: Any, tmp: Path, payload: dict[str, Any]) -> None:
     tensors = sum(len(sd) for sd in payload["modules"].values())
     meta = base_meta(rig, payload["entries"], payload["blob"]["values"])
     meta.update(sharded=False, files=table, tensors=tensors, **payload["counts"])
-    write_meta(tmp, meta)
+    return meta
 
 
 @overload
@@ -216,6 +204,8 @@ def _start_whole(
     if not rig.is_global_zero:
         return None
     check_weights_only(payload["blob"])  # fails before any file is touched
+    if not isinstance(target, CheckpointURL):  # object storage has its own rule (remote.commit)
+        check_target(target, link)  # here too, so a background save is refused at once
     ready: Callable[[], None] | None = None
     if not blocking:
         optimizers = {k: getattr(o, "optimizer", o) for k, o in state.items() if isinstance(o, torch.optim.Optimizer)}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import io
 import pathlib
 import pickle
@@ -20,7 +19,6 @@ import torch
 
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import DCP_METADATA
-from torchrig.checkpoint.reading import read_regular
 
 
 @functools.cache
@@ -106,6 +104,7 @@ class _MetadataUnpickler(pickle._Unpickler):
         table = _metadata_globals()
         self._callables = {id(v): v for v in table.values() if callable(v)}
         self._classes = {v for v in table.values() if isinstance(v, type)}
+        self._made: dict[int, Any] = {}  # objects NEWOBJ made in this load: the only ones BUILD may fill
 
     def find_class(self, module: str, name: str) -> Any:
         found = _metadata_globals().get((module, name))
@@ -124,6 +123,8 @@ class _MetadataUnpickler(pickle._Unpickler):
     def load_newobj(self) -> None:
         self._call(self.stack[-2])
         super().load_newobj()  # type: ignore[misc]
+        made = self.stack[-1]
+        self._made[id(made)] = made  # kept alive, so its id is not reused during the load
 
     def load_build(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
@@ -131,6 +132,11 @@ class _MetadataUnpickler(pickle._Unpickler):
             raise _RefusedError(f"it sets attributes of the class {inst.__module__}.{inst.__qualname__}")
         if type(inst) not in self._classes:
             raise _RefusedError(f"it sets attributes of a {type(inst).__name__}")
+        if id(inst) not in self._made:  # an enum member (a REDUCE returns the process's own), torch.Size...
+            raise _RefusedError(
+                f"it sets attributes of the {type(inst).__name__} {inst!r:.60}, an object it did not create but "
+                "one shared by this whole process"
+            )
         for part in state if isinstance(state, tuple) else (state,):
             if isinstance(part, dict) and any(not isinstance(k, str) or k.startswith("__") for k in part):
                 raise _RefusedError(f"it sets the attributes {list(part)} of a {type(inst).__name__}")
@@ -177,6 +183,12 @@ def parse_dcp_metadata(path: Path, data: bytes, files: Collection[str]) -> Any:
                 f"{path} points at {getattr(info, 'relative_path', info)!r}, which is not a shard file listed in "
                 "meta.json; refusing to read it"
             )
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms is not None and transforms != [] and transforms != ():  # torchrig saves with none
+            raise CheckpointError(
+                f"{path} asks DCP to decode a shard with the stream transforms {transforms!r:.100}, which torchrig "
+                "never writes; refusing to read it"
+            )
     count = len(md.state_dict_metadata)  # where a list index in an item's path is bounded (DCP grows lists to it)
     for key, where in (md.planner_data or {}).items():
         if not isinstance(where, tuple) or not all(
@@ -184,13 +196,6 @@ def parse_dcp_metadata(path: Path, data: bytes, files: Collection[str]) -> Any:
         ):
             raise CheckpointError(f"{path} gives the item {key!r} the path {where!r:.100}, not a state-dict path")
     return md
-
-
-def read_dcp_metadata(path: Path, hashing: bool, *, files: Collection[str]) -> tuple[Any, str | None]:
-    """:func:`parse_dcp_metadata` of a file read once, and the SHA-256 of those bytes (for
-    :meth:`VerifiedReader.submit`: the bytes checked are the bytes parsed and given to DCP)."""
-    data = read_regular(path)  # never a link, FIFO or device
-    return parse_dcp_metadata(path, data, files), hashlib.sha256(data).hexdigest() if hashing else None
 
 
 def checked_reader(folder: Path, md: Any) -> Any:
@@ -237,13 +242,25 @@ def safe_planner(*, keys: list[str] | None = None) -> Any:
 
 @contextlib.contextmanager
 def refuse_code(folder: Path) -> Iterator[None]:
-    """DCP reports our planner's weights_only refusal wrapped per rank; say it plainly."""
+    """DCP reports our planner's weights_only refusal wrapped per rank; say it plainly. Whatever else
+    DCP raises while reading (its ``CheckpointException`` is a ``BaseException``, which ``except
+    Exception`` lets through) is a :class:`CheckpointError` naming the rank and the error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
-    except Exception as err:
-        if "Weights only load failed" not in str(err):
+    except (Exception, CheckpointException) as err:
+        if "Weights only load failed" in str(err):
+            raise CheckpointError(
+                f"refusing to load {folder}: a shard holds Python objects other than tensors and plain "
+                "containers, which could run code when unpickled; torchrig only loads weights_only data"
+            ) from None
+        if not isinstance(err, CheckpointException):
             raise
+        rank, failure = next(iter(err.failures.items()), (0, (err, None)))
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        first = (str(cause).splitlines() or [""])[0]
         raise CheckpointError(
-            f"refusing to load {folder}: a shard holds Python objects other than tensors and plain "
-            "containers, which could run code when unpickled; torchrig only loads weights_only data"
+            f"could not read the shards of {folder}: DCP failed on rank {rank}: {type(cause).__name__}: {first}; "
+            "the checkpoint is damaged or was altered"
         ) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import hashlib
 import io
 import json
@@ -29,7 +30,9 @@ import torch
 
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import META
-from torchrig.checkpoint.reading import read_meta, sha256_file
+from torchrig.checkpoint.progress import checkpoints_beside, progress
+from torchrig.checkpoint.reading import read_meta_quiet, sha256_file
+from torchrig.checkpoint.targets import NAME_MAX, check_link, check_target
 
 _CHUNK = 16 << 20
 
@@ -157,8 +160,15 @@ def hash_existing(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     return {n: {"size": (folder / n).stat().st_size, "sha256": d} for n, d in zip(names, digests, strict=True)}
 
 
-def write_meta(folder: Path, meta: dict[str, Any]) -> None:
-    """``meta.json`` goes last: its presence is what makes a directory a checkpoint."""
+def write_meta(folder: Path, meta: dict[str, Any], target: Path) -> None:
+    """``meta.json`` goes last: its presence is what makes a directory a checkpoint.
+
+    It records ``save_count``, one more than any checkpoint beside ``target`` has: the order of
+    saves in that folder, which ranks checkpoints of the same step (:func:`progress`), whatever
+    the clocks of the machines that wrote them say.
+    """
+    counts = [int(m.get("save_count", 0)) for m, _ in checkpoints_beside(target)]
+    meta["save_count"] = max(counts, default=0) + 1
     _write_fsync(folder / META, json.dumps(meta, indent=1, sort_keys=True).encode())
     fsync_dir(folder)
 
@@ -206,10 +216,30 @@ def _boot_time() -> float | None:
     return None
 
 
+# What a leftover name adds to NAME, at most: ``.`` NAME ``.link-`` 3 x 8 hex and 2 dots, ``-PID`` (7
+# digits: Linux's largest pid), ``-`` 8 hex.
+_LEFTOVER_EXTRA = 1 + 6 + 26 + 8 + 9
+
+
+def _stem(name: str) -> str:
+    """``name`` as leftover names carry it: whole where the longest leftover name still fits in
+    :data:`NAME_MAX` bytes, else cut, with ``~`` and a hash of the whole name (the same in every
+    process, so a leftover of a long name is found again by that name)."""
+    room = NAME_MAX - _LEFTOVER_EXTRA
+    if len(os.fsencode(name)) <= room:
+        return name
+    cut = name
+    while len(os.fsencode(cut)) > room - 9:
+        cut = cut[:-1]
+    return f"{cut}~{_tag(name)}"
+
+
 def leftover_name(target: Path, kind: str) -> Path:
-    """A fresh ``.NAME.KIND-OWNER-RANDOM`` path next to ``target`` (see :data:`_LEFTOVER`)."""
+    """A fresh ``.NAME.KIND-OWNER-RANDOM`` path next to ``target`` (see :data:`_LEFTOVER`); it fits in
+    a file name whenever ``target``'s name does (a long NAME is cut, see :func:`_stem`)."""
     host, boot, ns = _origin()
-    return target.parent / f".{target.name}.{kind}-{host}.{boot}.{ns}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    owner = f"{host}.{boot}.{ns}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return target.parent / f".{_stem(target.name)}.{kind}-{owner}"
 
 
 def temp_dir_for(target: Path) -> Path:
@@ -218,6 +248,16 @@ def temp_dir_for(target: Path) -> Path:
     tmp = leftover_name(target, "tmp")
     tmp.mkdir()
     return tmp
+
+
+def prepare_target(target: Path, link: str | None) -> Path:
+    """Check ``target`` (:func:`check_target`) and the ``link`` beside it, tidy what dead saves left
+    there, and make the temp directory the checkpoint is written into; nothing is written when
+    either is refused."""
+    check_target(target, link)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(target.parent, named=target.name)
+    return temp_dir_for(target)
 
 
 _RENAME_EXCHANGE = 2
@@ -276,7 +316,8 @@ def commit(tmp: Path, target: Path) -> None:
     moment, and :func:`resolve_checkpoint` (also through a ``last`` link) then loads the previous
     checkpoint from there; the next save puts it back or removes it (:func:`remove_stale_temps`).
     """
-    if not target.exists():
+    check_target(target)  # again: something else may have been put there while the files were written
+    if not os.path.lexists(target):
         os.rename(tmp, target)
         fsync_dir(target.parent)
         return
@@ -295,42 +336,54 @@ def discard(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def publish(tmp: Path, target: Path, meta: dict[str, Any], *, link: str | None, keep_last: int | None) -> None:
+    """The end of every save, whole or sharded: ``meta.json`` into the finished ``tmp``, the commit
+    to ``target``, then the ``link`` and ``keep_last``. A failure after the commit is a
+    :class:`CheckpointError` saying that the checkpoint was committed and where the link points."""
+    write_meta(tmp, meta, target)
+    commit(tmp, target)
+    if link:
+        where = target.parent / link
+        before = os.readlink(where) if where.is_symlink() else None
+        try:
+            update_link(target, link)
+        except (OSError, CheckpointError) as err:
+            was = f"still points at {before!r}" if before is not None else "was not made"
+            raise CheckpointError(
+                f"the checkpoint {target} was committed, but the {link!r} link was not moved to it "
+                f"({type(err).__name__}: {err}); {where} {was}. Load {target} by its name; the next save "
+                "moves the link"
+            ) from err
+    if keep_last is not None:
+        try:
+            apply_retention(target, keep_last)
+        except OSError as err:
+            moved = f" and the {link!r} link points at it" if link else ""
+            raise CheckpointError(
+                f"the checkpoint {target} was committed{moved}, but removing older checkpoints "
+                f"(keep_last={keep_last}) failed ({type(err).__name__}: {err}); the next save tries again"
+            ) from err
+
+
 def update_link(target: Path, name: str) -> None:
     """Point ``target.parent / name`` at ``target`` by replacing a temporary symlink over it."""
     link = target.parent / name
-    if link.exists() and not link.is_symlink():
-        raise CheckpointError(
-            f"cannot update the {name!r} link: {link} exists and is not a symlink; remove it or pass link=None"
-        )
+    check_link(link)
     tmp = leftover_name(link, "link")
     os.symlink(target.name, tmp, target_is_directory=True)
     os.replace(tmp, link)
     fsync_dir(target.parent)
 
 
-def _read_meta_quiet(folder: Path) -> dict[str, Any] | None:
-    """:func:`read_meta`, or ``None`` where there is no valid one (a FIFO or a link is not read)."""
-    try:
-        return read_meta(folder)
-    except (OSError, CheckpointError):
-        return None
-
-
 def apply_retention(target: Path, keep_last: int) -> list[Path]:
-    """Delete the oldest checkpoints next to ``target`` so that ``keep_last`` remain; returns them.
+    """Delete the checkpoints next to ``target`` least far in training (:func:`progress`: step, then
+    the order of saves) so that ``keep_last`` remain; returns them.
 
     Only visible sibling directories holding a torchrig ``meta.json`` count; ``target`` is kept.
     Another process may save and prune in the same folder: a checkpoint it removed meanwhile is
     simply no longer counted.
     """
-    found: list[tuple[int, Path]] = []
-    for p in target.parent.iterdir():
-        if p.name.startswith(".") or p.is_symlink() or not p.is_dir() or p == target:
-            continue
-        meta = _read_meta_quiet(p)
-        if meta is not None:
-            found.append((int(meta.get("saved_at_ns", 0)), p))
-    found.sort()
+    found = sorted(((progress(m), p) for m, p in checkpoints_beside(target)), key=lambda f: f[0])
     doomed = [p for _, p in found[: max(0, len(found) - (keep_last - 1))]]
     for p in doomed:
         _remove_checkpoint(p, ignore_errors=False)
@@ -356,15 +409,16 @@ def _dead(m: re.Match[str], path: Path) -> bool:
     return pid != os.getpid() and not _alive(pid)
 
 
-def remove_stale_temps(parent: Path) -> None:
+def remove_stale_temps(parent: Path, *, named: str | None = None) -> None:
     """Tidy what saves that are over (killed mid-save) left in ``parent``.
 
     Temp dirs and temp links go. A ``.NAME.old-*`` copy goes if ``NAME`` is there; if ``NAME`` is
     missing (killed between the two renames of a replace) the newest whole copy is renamed back
     to ``NAME`` first. Only leftovers of this host, boot and pid namespace whose process is gone
-    are touched, and those of an earlier boot of this host; never another machine's.
+    are touched, and those of an earlier boot of this host; never another machine's. A NAME too
+    long to carry whole (:func:`_stem`) is known again only as ``named`` (the name being saved).
     """
-    olds: dict[str, list[tuple[int, Path]]] = {}
+    olds: dict[str, list[tuple[tuple[int, float, int], Path]]] = {}
     for p in parent.glob(".*-*"):
         m = _LEFTOVER.fullmatch(p.name)
         if m is None or not _dead(m, p):
@@ -375,11 +429,11 @@ def remove_stale_temps(parent: Path) -> None:
         elif m["kind"] == "tmp":
             shutil.rmtree(p, ignore_errors=True)
         else:
-            meta = _read_meta_quiet(p)
-            olds.setdefault(m["name"], []).append((int(meta.get("saved_at_ns", 0)) if meta else -1, p))
-    for name, copies in olds.items():
-        copies.sort()
-        if not os.path.lexists(parent / name) and copies[-1][0] >= 0:
+            olds.setdefault(m["name"], []).append((progress(read_meta_quiet(p)), p))
+    for stem, copies in olds.items():
+        name = named if named is not None and stem == _stem(named) else stem  # a long name's is cut
+        copies.sort(key=lambda c: c[0])
+        if not os.path.lexists(parent / name) and copies[-1][0][0] >= 0:  # the newest whole copy
             with contextlib.suppress(OSError):
                 os.rename(copies.pop()[1], parent / name)
                 fsync_dir(parent)
@@ -412,9 +466,10 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         return p
     if p.exists():
         raise CheckpointError(f"{p} is a file, but a torchrig checkpoint is a directory holding {META}")
-    olds = [(m.get("saved_at_ns", 0), q) for q in _glob(p.parent, f".{p.name}.old-*") if (m := _read_meta_quiet(q))]
+    copies = _glob(p.parent, f".{glob.escape(_stem(p.name))}.old-*")
+    olds = [(progress(m), q) for q in copies if (m := read_meta_quiet(q))]
     if olds:
-        old = max(olds)[1]  # the newest whole copy
+        old = max(olds, key=lambda o: o[0])[1]  # the newest whole copy
         warnings.warn(
             f"{p} is missing because a save was interrupted while replacing it; loading the previous "
             f"checkpoint from {old}",
@@ -426,35 +481,3 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
 def _glob(folder: Path, pattern: str) -> list[Path]:
     return list(folder.glob(pattern)) if folder.is_dir() else []
-
-
-def _no_space(err: BaseException | None) -> bool:
-    """Whether ``err`` or an error it was raised from is a full disk (or quota): torch reports one as
-    ``unexpected pos`` with the ``OSError`` as its context, safetensors as ``(os error 28)``."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if f"(os error {errno.ENOSPC})" in str(err) or f"(os error {errno.EDQUOT})" in str(err):
-            return True
-        failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (error, traceback)}
-        causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
-        if any(isinstance(c, BaseException) and _no_space(c) for c in causes):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def raise_no_space(err: BaseException, target: Path, needed: int) -> None:
-    """A :class:`CheckpointError` saying how much room the checkpoint needs, if ``err`` is a full disk."""
-    if not _no_space(err):
-        return
-    try:
-        free = f"{shutil.disk_usage(target.parent).free / 1e6:.1f} MB free"
-    except OSError:
-        free = "free space unknown"
-    raise CheckpointError(
-        f"no space left on device at {target}: the checkpoint needs about {needed / 1e6:.1f} MB, {free}; "
-        "nothing was replaced (the previous checkpoint and the link are as they were)"
-    ) from err

@@ -81,6 +81,7 @@ def validate_meta(meta: Any, source: Path) -> dict[str, Any]:
         ("parameters", _is_int, "a non-negative integer"),
         ("buffers", _is_int, "a non-negative integer"),
         ("saved_at_ns", _is_int, "a non-negative integer"),
+        ("save_count", _is_int, "a non-negative integer"),
         ("values", lambda v: isinstance(v, dict), "a JSON object"),
         ("step", lambda v: v is None or isinstance(v, (int, float, str)), "a number, a string or null"),
         ("epoch", lambda v: v is None or isinstance(v, (int, float, str)), "a number, a string or null"),

@@ -100,6 +100,14 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return validate_meta(meta, path)
 
 
+def read_meta_quiet(folder: Path) -> dict[str, Any] | None:
+    """:func:`read_meta`, or ``None`` where there is no valid one (a FIFO or a link is not read)."""
+    try:
+        return read_meta(folder)
+    except (OSError, CheckpointError):
+        return None
+
+
 class VerifiedReader:
     """Opens the files of a checkpoint, checking each size at once and its SHA-256 in a thread.
 
@@ -150,6 +158,16 @@ class VerifiedReader:
                 f"checksum mismatch in {self.folder / name}: SHA-256 is {digest}, {META} says {want}; "
                 "the file was altered or corrupted, refusing to load it"
             )
+
+    def checked_bytes(self, name: str) -> bytes:
+        """The bytes of ``name``, read once, compared with the SHA-256 ``meta.json`` lists (with
+        ``verify``) before anyone parses them: for a file whose parsing itself must not see
+        altered bytes (DCP's ``.metadata`` pickle)."""
+        path = self.path(name, hashing=False)
+        data = read_regular(path)
+        if self.verify:
+            self.compare(name, hashlib.sha256(data).hexdigest())
+        return data
 
     def submit(self, name: str, fn: Callable[[Path, bool], tuple[Any, str | None]]) -> Future[Any]:
         """Run ``fn(path, hashing) -> (result, SHA-256 of the bytes it read)`` on the pool.

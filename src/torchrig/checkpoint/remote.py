@@ -204,6 +204,11 @@ def _remove(fs: Any, prefix: str) -> None:
         fs.rm(prefix, recursive=True)
 
 
+def stage_meta(staged: Path, meta: dict[str, Any]) -> None:
+    """``meta.json`` into the staged folder (uploaded last by :func:`commit`)."""
+    (staged / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+
+
 def commit(staged: Path, target: CheckpointURL, *, link: str | None, keep_last: int | None) -> None:
     """Upload the finished checkpoint folder ``staged`` as ``target``: its files under a prefix of
     their own, ``meta.json`` last; then the ``link`` object; then older versions and, with

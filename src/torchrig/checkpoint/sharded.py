@@ -26,23 +26,18 @@ from torchrig.checkpoint.compare import compare_module, load_problems
 from torchrig.checkpoint.dcp_safe import (
     checked_reader,
     parse_dcp_metadata,
-    read_dcp_metadata,
     refuse_code,
     safe_planner,
 )
 from torchrig.checkpoint.entries import base_meta, collect, is_stateful, module_counts, qualname, user_module
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.failures import uncommitted
 from torchrig.checkpoint.files import (
     FileSet,
-    apply_retention,
-    commit,
     discard,
     hash_existing,
-    raise_no_space,
-    remove_stale_temps,
-    temp_dir_for,
-    update_link,
-    write_meta,
+    prepare_target,
+    publish,
     write_torch,
 )
 from torchrig.checkpoint.meta import DCP_METADATA, STATE_FILE
@@ -58,8 +53,8 @@ def _verified_metadata(reader: Any, meta: dict[str, Any]) -> Any:
     for name in meta["files"]:
         if name != DCP_METADATA:
             reader.path(name)
-    job = reader.submit(DCP_METADATA, functools.partial(read_dcp_metadata, files=frozenset(meta["files"])))
-    md = job.result()
+    data = reader.checked_bytes(DCP_METADATA)  # compared with meta.json before it is parsed
+    md = parse_dcp_metadata(reader.folder / DCP_METADATA, data, files=frozenset(meta["files"]))
     reader.check()
     return md
 
@@ -83,14 +78,32 @@ def split(state: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, Any], 
     return modules, optims, rest
 
 
-def dcp_state(modules: dict[str, nn.Module], optims: dict[str, Any]) -> dict[str, Any]:
-    """DCP's state dicts of ``modules`` and ``optims`` (each optimizer through the module it optimizes)."""
+def dcp_state(modules: dict[str, nn.Module], optims: dict[str, Any], stateless: frozenset[str]) -> dict[str, Any]:
+    """DCP's state dicts of ``modules`` and ``optims`` (each optimizer through the module it optimizes).
+
+    ``stateless`` names the optimizers whose state dict is to hold no per-parameter state: one
+    saved before its first step, or loaded from such a checkpoint. DCP's
+    ``get_optimizer_state_dict`` makes state for an optimizer without any by running ``step()``
+    with zero gradients (AdamW's step counter then runs one ahead); that state is taken away again,
+    so neither a save nor a load changes the optimizer beyond what the checkpoint holds.
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out: dict[str, Any] = {k: get_model_state_dict(m) for k, m in modules.items()}
     for k, o in optims.items():
+        fresh = not o.state
         out[k] = get_optimizer_state_dict(_owner(modules, o), o)
+        if k in stateless:
+            out[k]["state"] = {}
+            if fresh:
+                o.state.clear()  # DCP's zero step made it
     return out
+
+
+def _stateless_in(md: Any, optims: dict[str, Any]) -> frozenset[str]:
+    """The optimizers of ``optims`` that DCP's metadata ``md`` holds no per-parameter state for."""
+    keys = md.state_dict_metadata
+    return frozenset(k for k in optims if not any(name.startswith(f"{k}.state.") for name in keys))
 
 
 def start(
@@ -108,12 +121,19 @@ def start(
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     modules, optims, rest = split(state)
-    shards = dcp_state(modules, optims)
+    shards = dcp_state(modules, optims, frozenset(k for k, o in optims.items() if not o.state))
     payload = collect(rig, rest)
+    made: tuple[str, str] | None = None
     if rig.is_global_zero:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(target.parent)
-    tmp = Path(rig.broadcast(str(temp_dir_for(target)) if rig.is_global_zero else None))
+        try:
+            with uncommitted(target, lambda: 0):
+                made = ("tmp", str(prepare_target(target, link)))
+        except CheckpointError as err:  # every rank refuses the save, none is left waiting
+            made = ("refused", str(err))
+    kind, text = rig.broadcast(made)
+    if kind == "refused":
+        raise CheckpointError(text)
+    tmp = Path(text)
     ready: Callable[[], None] | None = None
     if blocking:
         written: Callable[[], Any] = functools.partial(dcp.save, shards, checkpoint_id=tmp)
@@ -139,20 +159,21 @@ def start(
             snapshot = to_host(payload["blob"], host_buffers(rig))  # no optimizer: DCP's
             payload, ready = {**payload, "blob": snapshot.tree}, snapshot.ready
 
+    def needed() -> int:
+        return rig.world_size * _local_bytes(shards) + payload_bytes({"modules": {}, "blob": payload["blob"]})
+
     def job() -> None:
-        try:
-            written()  # FileSystemWriter fsyncs every file; a failure on any rank is raised on every rank
-            if rig.is_global_zero:
-                if ready is not None:
-                    ready()
-                _finish(rig, tmp, target, payload, modules, optims, keep_last=keep_last, link=link)
-        except BaseException as err:
-            if rig.is_global_zero:
-                discard(tmp)
-            blob_bytes = payload_bytes({"modules": {}, "blob": payload["blob"]})
-            needed = rig.world_size * _local_bytes(shards) + blob_bytes
-            raise_no_space(err, target, needed)
-            raise
+        with uncommitted(target, needed):
+            try:
+                written()  # FileSystemWriter fsyncs every file; a failure on any rank is raised on every rank
+                if rig.is_global_zero:
+                    if ready is not None:
+                        ready()
+                    _finish(rig, tmp, target, payload, modules, optims, keep_last=keep_last, link=link)
+            except BaseException:
+                if rig.is_global_zero:
+                    discard(tmp)
+                raise
 
     return job
 
@@ -221,12 +242,7 @@ def _finish(
     md = parse_dcp_metadata(tmp / DCP_METADATA, read_regular(tmp / DCP_METADATA), files=table)  # as loads read it
     counts = module_counts(modules.values())  # full sizes: a DTensor's numel is the whole tensor's
     meta.update(sharded=True, files=table, tensors=_count_tensors(md, list(modules)), **counts)
-    write_meta(tmp, meta)
-    commit(tmp, target)
-    if link:
-        update_link(target, link)
-    if keep_last is not None:
-        apply_retention(target, keep_last)
+    publish(tmp, target, meta, link=link, keep_last=keep_last)
 
 
 def _count_tensors(md: Any, module_keys: list[str]) -> int:
@@ -261,9 +277,8 @@ def load(
         blob = safe_torch_load(reader.path(STATE_FILE), map_location=rig.device)
     _compare(md, modules, strict)
     _check_before_dcp(entries, blob, modules, optims, rest, strict=strict)
-    shards = dcp_state(
-        {k: m for k, m in modules.items() if k in entries}, {k: o for k, o in optims.items() if k in entries}
-    )
+    wanted = {k: o for k, o in optims.items() if k in entries}
+    shards = dcp_state({k: m for k, m in modules.items() if k in entries}, wanted, _stateless_in(md, wanted))
     with refuse_code(folder):
         dcp.load(shards, storage_reader=checked_reader(folder, md), planner=safe_planner())
     for k, m in modules.items():

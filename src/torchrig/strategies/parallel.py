@@ -372,14 +372,16 @@ class CrashLoopError(RuntimeError):
 
 
 def check_progress(store: Any, attempt: int, rank: int) -> None:
-    """Stop a crash loop: raise :class:`CrashLoopError` when the previous attempt was itself a
-    restart (``attempt >= 2``) and committed no checkpoint (no ``rig.save`` completed in it).
+    """Stop a crash loop: raise :class:`CrashLoopError` when the previous attempt was a restart
+    (``attempt >= 2``) that committed no checkpoint (no ``rig.save`` completed in it), and the
+    attempt before that committed none either.
 
     Progress is the number of checkpoints committed through ``rig.save`` in an attempt, counted
-    in torchrun's job-wide store. The first run and the first restart always run: a run may fail
-    before its first checkpoint once; failing again without one means the restart cannot help.
+    in torchrun's job-wide store. The first run and the first restart always run, and so does
+    every restart after an attempt with progress or after one that came after progress: a run
+    may fail before its next checkpoint once; twice in a row means the restart cannot help.
     """
-    if attempt < 2 or store.check([_progress_key(attempt - 1)]):
+    if attempt < 2 or store.check([_progress_key(attempt - 1)]) or store.check([_progress_key(attempt - 2)]):
         return
     stopped = "torchrig/crash_loop"
     if not store.check([stopped]):

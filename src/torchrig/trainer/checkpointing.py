@@ -53,10 +53,12 @@ class ModelCheckpoint(Callback):
         monitor: the logged metric that ranks checkpoints (None: the newest are kept).
         mode: ``"min"`` or ``"max"``: which ``monitor`` values are better.
         save_top_k: how many checkpoints to keep (``-1``: all; ``0``: none but ``last``).
-        every_n_train_steps: save after every this many optimizer steps.
+        every_n_train_steps: save after every this many optimizer steps (with
+            ``accumulate_grad_batches`` only after the micro-batch that ends a step, never inside one).
         every_n_epochs: save at the end of every this many epochs (default 1).
         save_last: keep the newest checkpoint too, pointed to by the ``last`` link in ``dirpath``
-            (what ``Trainer.fit(ckpt_path="last")`` resumes from).
+            (what ``Trainer.fit(ckpt_path="last")`` resumes from). The fit's final state is always
+            saved as ``last``, also when the schedule did not fall on the final step.
         train_time_interval: save at most once every this many seconds of training (a save that
             falls due sooner is skipped); the state at the end of the fit is then saved too. The
             Trainer's default checkpoint uses 60 s, so runs with short epochs do not spend their
@@ -140,6 +142,7 @@ class ModelCheckpoint(Callback):
         self.last_model_path = ""
         self._saved: list[str] = []
         self._last_step_saved = -1
+        self._seen_step = 0  # global_step at the previous batch end: a batch that moved it ended a step
         self._kept_in: str | None = None  # the resolved folder the kept list belongs to
         self._check_restored = False  # a checkpoint's kept list is to be checked against this run
 
@@ -155,6 +158,7 @@ class ModelCheckpoint(Callback):
     # -- when ------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._last_save_time, self._skipped = time.monotonic(), False
+        self._seen_step = trainer.global_step  # after a resume: the step the fit continues from
         self._adopt_restored(trainer)
         self._fits, self._in_fit = self._fits + 1, True
         if self.save_on_exception:  # worked out now, with every rank: a save after an error must not ask
@@ -181,8 +185,11 @@ class ModelCheckpoint(Callback):
         n = self.every_n_train_steps
         if n is None:  # epoch ends only (not called by the Trainer then, see event_schedule)
             return
-        step = trainer.global_step
-        if step % n == 0 and step != self._last_step_saved:
+        # Only a batch that ended with an optimizer step (it moved global_step) is a whole step:
+        # with accumulation the other micro-batches hold a partial gradient no checkpoint keeps.
+        step, stepped = trainer.global_step, trainer.global_step != self._seen_step
+        self._seen_step = step
+        if stepped and step % n == 0 and step != self._last_step_saved:
             self._due(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -191,7 +198,9 @@ class ModelCheckpoint(Callback):
 
     def on_fit_end(self, trainer: Trainer, module: TrainingModule) -> None:
         self._in_fit = False
-        if self._skipped and trainer.global_step != self._last_step_saved:
+        # The fit's final state: a save skipped by train_time_interval, or what `last` must hold
+        # when the schedule did not fall on the final step (10 steps, every 3: step 10).
+        if (self._skipped or self.save_last) and trainer.global_step != self._last_step_saved:
             self.save(trainer)
         self._wait_for_save(trainer)  # the fit ends with its checkpoints committed
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from torchrig.checkpoint.files import read_meta
+from torchrig.checkpoint.reading import read_meta
 from torchrig.trainer.loggers import BufferedLogger
 
 if TYPE_CHECKING:

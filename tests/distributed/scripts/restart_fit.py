@@ -5,7 +5,8 @@
 It saves ``DIR/step-N`` (and the ``last`` link) every ``--save-every`` steps and resumes from
 ``DIR/last`` when it exists. ``--kill-at N``: rank 1 SIGKILLs itself at step N of the first
 attempt (``TORCHELASTIC_RESTART_COUNT == 0``). ``--fail-at N``: rank 1 raises at step N of every
-attempt (a crash loop). Prints ``attempt A starts at step S`` once per attempt (rank 0).
+attempt (a crash loop), or with ``--fail-attempt A`` only in attempt A. Prints
+``attempt A starts at step S`` once per attempt (rank 0).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--fail-at", type=int, default=0)
+    parser.add_argument("--fail-attempt", type=int, default=-1)  # -1: every attempt
     args = parser.parse_args()
 
     torch.use_deterministic_algorithms(True)
@@ -58,7 +60,7 @@ def main() -> None:
             if rig.global_rank == 1 and step == args.kill_at and attempt == 0:
                 print(f"rank 1 SIGKILLs itself at step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            if rig.global_rank == 1 and step == args.fail_at:
+            if rig.global_rank == 1 and step == args.fail_at and args.fail_attempt in (-1, attempt):
                 raise RuntimeError(f"boom on purpose at step {step}")
             if step % args.save_every == 0:
                 state["step"] = step

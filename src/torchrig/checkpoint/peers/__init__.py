@@ -37,12 +37,12 @@ import torch
 from torchrig import arguments
 from torchrig.checkpoint.core import write
 from torchrig.checkpoint.errors import CheckpointError
-from torchrig.checkpoint.meta import META
 from torchrig.checkpoint.peers.accelerate import read_accelerate
 from torchrig.checkpoint.peers.classes import optimizer_class, scheduler_class
 from torchrig.checkpoint.peers.lightning import read_lightning
 from torchrig.checkpoint.peers.sources import Peer
 from torchrig.checkpoint.storable import check_weights_only
+from torchrig.checkpoint.targets import check_target
 from torchrig.checkpoint.tensors import split_module_state
 
 __all__ = ["Imported", "import_checkpoint"]
@@ -89,7 +89,7 @@ def import_checkpoint(
     src, target = Path(path), Path(out).absolute()
     if src.is_file():
         src = src.resolve()  # the file a link names (files inside an Accelerate folder must be regular)
-    _check_target(target)
+    check_target(target)
     if src.is_dir():
         peer = read_accelerate(src, seed)
     elif src.exists():
@@ -108,14 +108,6 @@ def import_checkpoint(
     origin = types.SimpleNamespace(world_size=len(peer.rng), device=torch.device("cpu"), precision=None)
     write(origin, target, payload, keep_last=None, link=None)
     return Imported(target, peer.source, peer.lines, peer.warnings)
-
-
-def _check_target(target: Path) -> None:
-    if target.is_symlink() or (target.exists() and not (target.is_dir() and (target / META).is_file())):
-        raise CheckpointError(
-            f"{target} exists and is not a torchrig checkpoint; give a new path (an existing torchrig checkpoint "
-            "there is replaced atomically)"
-        )
 
 
 def _rename(sd: dict[str, Any], strip: str | None, add: str | None, key: str, notes: list[str]) -> dict[str, Any]:
