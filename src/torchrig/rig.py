@@ -182,12 +182,15 @@ class Rig:
         self._prepared = weakref.WeakValueDictionary()
 
     # -- prepare ---------------------------------------------------------------------------
-    def prepare(self, *objs: Any) -> Any:
+    def prepare(self, *objs: Any, use_distributed_sampler: bool = True) -> Any:
         """Prepare modules, optimizers, dataloaders and LR schedulers, in any order.
 
         Modules move to the device (and are wrapped by the strategy); optimizers step through
         the precision; dataloaders yield batches on the device; schedulers pass through.
         Returns the objects in the order given (a single object when one was given).
+
+        ``use_distributed_sampler=False``: dataloaders keep their own sampler and dataset as
+        they are (for loaders that already give each process its share); see :meth:`setup_dataloader`.
         """
         if not objs:
             raise ValueError("prepare() needs at least one module, optimizer, dataloader or scheduler")
@@ -206,7 +209,7 @@ class Rig:
             out[i] = self._setup_optimizer(objs[i])
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
-                out[i] = self.setup_dataloader(o)
+                out[i] = self.setup_dataloader(o, use_distributed_sampler=use_distributed_sampler)
         for o in (*objs, *out):
             with contextlib.suppress(TypeError):  # an object that takes no weak reference
                 self._prepared[id(o)] = o
@@ -259,14 +262,24 @@ class Rig:
                     state[k] = v.to(self.device)
         return wrap_optimizer(optimizer, self.precision)
 
-    def setup_dataloader(self, loader: DataLoader[Any]) -> RigDataLoader:
+    def setup_dataloader(self, loader: DataLoader[Any], *, use_distributed_sampler: bool = True) -> RigDataLoader:
         """A new loader over ``loader``'s data for this Rig: batches on its device, each process
         its share (what :meth:`prepare` does to a DataLoader), without recording ``loader`` as
         prepared, so it can also be prepared, or set up again, later. For a pass over data the run
         also trains on, made apart from it: a tuning sweep, an evaluation in its own order. Each
-        call draws a new shuffle seed from torch's RNG, as :meth:`prepare` does."""
+        call draws a new shuffle seed from torch's RNG, as :meth:`prepare` does.
+
+        ``use_distributed_sampler=False``: ``loader``'s sampler and dataset are kept as they are (no
+        resumable sampler splitting it across processes, no stream split): for a loader that
+        already gives each process its own share. Its batches still arrive on the device and its
+        position is still saved (a map-style loader resumes by skipping indices of its own sampler).
+        """
         if not isinstance(loader, DataLoader):
             raise TypeError(f"setup_dataloader() takes a torch.utils.data.DataLoader; got {type(loader).__name__}")
+        if not isinstance(use_distributed_sampler, bool):
+            raise TypeError(f"use_distributed_sampler={use_distributed_sampler!r} must be True or False")
+        if not use_distributed_sampler:
+            return RigDataLoader(loader, device=self.device, on_batch=self._batch_from, strategy=self.strategy)
         # The shuffle seed comes from torch's RNG (so seed_everything fixes it) and rank 0 decides;
         # a loader that does not shuffle takes no draw (the run's RNG stream is the hand-written loop's).
         shuffles = isinstance(loader.sampler, RandomSampler)

@@ -233,3 +233,75 @@ def test_sync_batchnorm_refuses_tensor_parallel() -> None:
 
     with pytest.raises(ValueError, match=r"sync_batchnorm=True with tensor_parallel=2: .* \(LayerNorm, GroupNorm"):
         convert_sync_batchnorm(torch.nn.BatchNorm1d(3), TP())
+
+
+# -- use_distributed_sampler on 2 gloo processes --------------------------------------------------
+SAMPLER_SCRIPT = r"""
+import json, sys
+import torch
+from torch.utils.data import DataLoader, Subset, TensorDataset
+import torchrig
+
+
+class Seen(torchrig.TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        self.seen += x[:, 0].int().tolist()
+        return self.layer(x).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+use, out = sys.argv[1] == "1", sys.argv[2]
+trainer = torchrig.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, use_distributed_sampler=use,
+    enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
+)
+rank = int(__import__("os").environ.get("RANK", 0))
+data = TensorDataset(torch.arange(16.0).unsqueeze(1))
+mine = Subset(data, list(range(rank, 16, 2)))  # the user shards: rank r takes r, r+2, ...
+module = Seen()
+trainer.fit(module, DataLoader(mine, batch_size=2))
+seen = trainer.rig.all_gather(torch.tensor(module.seen + [-1] * (8 - len(module.seen))))
+if trainer.is_global_zero:
+    with open(out, "w") as f:
+        json.dump([[v for v in row if v >= 0] for row in seen.tolist()], f)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.distributed
+def test_use_distributed_sampler_false_keeps_the_users_own_shards(tmp_path: Path) -> None:
+    script = tmp_path / "sampler.py"
+    script.write_text(SAMPLER_SCRIPT)
+    seen = {}
+    for use in (True, False):
+        out = tmp_path / f"seen-{int(use)}.json"
+        done = subprocess.run(
+            [sys.executable, str(script), str(int(use)), str(out)],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=110,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen[use] = json.loads(out.read_text())
+    assert seen[False] == [list(range(0, 16, 2)), list(range(1, 16, 2))]  # each rank its whole shard, in order
+    # the default splits each rank's shard again: half of the data is never seen
+    assert sorted(seen[True][0] + seen[True][1]) != list(range(16))
+    assert len(seen[True][0]) == len(seen[True][1]) == 4
+
+
+def test_use_distributed_sampler_is_checked() -> None:
+    with pytest.raises(ValueError, match="use_distributed_sampler='no' must be True or False"):
+        torchrig.Trainer(accelerator="cpu", use_distributed_sampler="no")
+    rig = torchrig.Rig(accelerator="cpu")
+    with pytest.raises(TypeError, match="use_distributed_sampler=1 must be True or False"):
+        rig.prepare(torch.utils.data.DataLoader(range(4)), use_distributed_sampler=1)

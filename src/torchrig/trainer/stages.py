@@ -306,7 +306,7 @@ def _prepare_loader(tr: Trainer, loader: Any, what: str) -> Any:
     cached = tr.run.prepared_loaders.get(id(loader))
     if cached is not None and cached[0] is loader:
         return cached[1]
-    prepared = tr.rig.prepare(loader)
+    prepared = tr.rig.prepare(loader, use_distributed_sampler=tr.use_distributed_sampler)
     tr.run.prepared_loaders[id(loader)] = (loader, prepared)
     return prepared
 

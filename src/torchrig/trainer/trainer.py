@@ -99,6 +99,9 @@ class Trainer:
         sync_batchnorm: with several processes, turn the module's BatchNorm layers into SyncBatchNorm,
             so their batch statistics are those of the global batch (what one process with the
             whole batch computes), see :func:`torchrig.strategies.convert_sync_batchnorm`.
+        use_distributed_sampler: with several processes, give each loader a sampler that splits it
+            across them (and resumes exactly); False keeps the loaders' own samplers and datasets,
+            for loaders that already give each process its share (see :meth:`torchrig.Rig.setup_dataloader`).
         enable_autolog_hparams: send the module's ``hparams`` (``save_hyperparameters``) to the
             loggers when a fit starts.
 
@@ -153,6 +156,7 @@ class Trainer:
         benchmark: bool | None = None,
         inference_mode: bool = True,
         sync_batchnorm: bool = False,
+        use_distributed_sampler: bool = True,
         enable_autolog_hparams: bool = True,
         **lightning_only: Any,
     ) -> None:
@@ -194,6 +198,7 @@ class Trainer:
         self.benchmark = settings.flag("benchmark", benchmark, none_ok=True)
         self.inference_mode = settings.flag("inference_mode", inference_mode)
         self.sync_batchnorm = settings.flag("sync_batchnorm", sync_batchnorm)
+        self.use_distributed_sampler = settings.flag("use_distributed_sampler", use_distributed_sampler)
         self.enable_autolog_hparams = settings.flag("enable_autolog_hparams", enable_autolog_hparams)
         root = os.getcwd() if default_root_dir is None else arguments.path("default_root_dir", default_root_dir)
         url = as_url(root)
