@@ -14,6 +14,16 @@ from torchrig.diagnostics import DeviceMismatchError, explain
 from torchrig.precision import Precision
 
 
+def as_prepared(module: Any) -> RigModule | None:
+    """The ``RigModule`` that ``module`` is, or that a ``torch.compile(prepared)`` wraps
+    (``OptimizedModule``); None when it is neither."""
+    from torchrig.speedups import unwrap_compiled
+
+    if isinstance(module, nn.Module):
+        module = unwrap_compiled(module)[0]
+    return module if isinstance(module, RigModule) else None
+
+
 class RigModule(nn.Module):
     """A prepared module. Calls run under the precision's autocast and input conversion;
     attributes, ``state_dict`` and ``load_state_dict`` are those of the module you passed in.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchrig.dtensors import whole
 from torchrig.strategies.base import Strategy, check_reduce_op
 from torchrig.strategies.environment import ClusterEnvironment, detect_environment
 from torchrig.strategies.hangs import collective
@@ -267,6 +268,7 @@ class ParallelStrategy(Strategy):
         """Stack ``tensor`` from every rank: ``(world_size, *shape)``; same shape on every rank."""
         if not self._active():
             return tensor.unsqueeze(0)
+        tensor = whole(tensor)
         if sync_grads:
             from torch.distributed.nn.functional import all_gather
 
@@ -283,6 +285,7 @@ class ParallelStrategy(Strategy):
         check_reduce_op(op)
         if not self._active():
             return tensor
+        tensor = whole(tensor)
         out = tensor.clone() if tensor.is_floating_point() or op != "mean" else tensor.double()
         with self._collective(f"all_reduce({op!r})"):
             dist.all_reduce(out, op=_OPS[op])
@@ -304,7 +307,7 @@ class ParallelStrategy(Strategy):
         if not self._active():
             return obj
         if isinstance(obj, torch.Tensor):
-            out = obj.clone()
+            out = whole(obj).clone()
             with self._collective(f"broadcast(src={src})"):
                 dist.broadcast(out, src=src)
             return out
