@@ -245,4 +245,6 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, precision: Precision) -> to
     proxy: Any = object.__new__(cls)
     object.__setattr__(proxy, "_rig_optimizer", optimizer)
     object.__setattr__(proxy, "_rig_precision", precision)
+    if precision.scaler is not None:  # its steps count towards the scaler's iteration
+        precision.scaler.track(optimizer)
     return proxy  # type: ignore[no-any-return]
