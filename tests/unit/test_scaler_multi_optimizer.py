@@ -193,6 +193,19 @@ def _gan() -> tuple[torch.nn.Linear, torch.nn.Linear]:
     return torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
 
 
+def _gans() -> tuple[torchrig.Rig, DeferredUpdateGradScaler, tuple[Any, ...], tuple[Any, ...]]:
+    """A 16-mixed Rig, its scaler (every update without an inf doubles the scale), and two copies
+    of one GAN with SGD optimizers: (G, D, G's, D's) prepared by the Rig, and the same unprepared."""
+    rig = torchrig.Rig(accelerator="cpu", precision="16-mixed")
+    g, d = _gan()
+    g_ref, d_ref = copy.deepcopy(g), copy.deepcopy(d)
+    opt_d, opt_g = rig.prepare(torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1))
+    ref_d, ref_g = torch.optim.SGD(d_ref.parameters(), lr=0.1), torch.optim.SGD(g_ref.parameters(), lr=0.1)
+    scaler = _scaler(rig.precision)
+    scaler.set_growth_interval(1)
+    return rig, scaler, (g, d, opt_g, opt_d), (g_ref, d_ref, ref_g, ref_d)
+
+
 def _d_loss(d: torch.nn.Module, g: torch.nn.Module, real: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return (d(real) - 1).pow(2).mean() + d(g(z).detach()).pow(2).mean()
 
@@ -203,13 +216,7 @@ def _g_loss(d: torch.nn.Module, g: torch.nn.Module, z: torch.Tensor) -> torch.Te
 
 def test_a_gan_d_step_then_g_step_updates_the_scale_once_per_iteration_like_pytorchs_recipe() -> None:
     # The D-step's update used to run at the G-step's backward: two updates per iteration.
-    rig = torchrig.Rig(accelerator="cpu", precision="16-mixed")
-    g, d = _gan()
-    g_ref, d_ref = copy.deepcopy(g), copy.deepcopy(d)
-    opt_d, opt_g = rig.prepare(torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1))
-    ref_d, ref_g = torch.optim.SGD(d_ref.parameters(), lr=0.1), torch.optim.SGD(g_ref.parameters(), lr=0.1)
-    scaler = _scaler(rig.precision)
-    scaler.set_growth_interval(1)  # every update without an inf doubles the scale
+    rig, scaler, (g, d, opt_g, opt_d), (g_ref, d_ref, ref_g, ref_d) = _gans()
     ref = torch.amp.GradScaler("cpu", growth_interval=1)
     data = torch.Generator().manual_seed(2)
     ours, theirs = [], []
@@ -240,13 +247,7 @@ def test_a_critic_stepping_twice_per_generator_step_unscales_each_step_with_its_
     # D steps again before the round {D, G} is complete: that ends the round (one update), after
     # D's new gradients were unscaled with the scale they were scaled with. Power-of-two scales on
     # fp32 losses cancel exactly, so the training equals the same loop without a scaler.
-    rig = torchrig.Rig(accelerator="cpu", precision="16-mixed")
-    g, d = _gan()
-    g_ref, d_ref = copy.deepcopy(g), copy.deepcopy(d)
-    opt_d, opt_g = rig.prepare(torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1))
-    ref_d, ref_g = torch.optim.SGD(d_ref.parameters(), lr=0.1), torch.optim.SGD(g_ref.parameters(), lr=0.1)
-    scaler = _scaler(rig.precision)
-    scaler.set_growth_interval(1)
+    rig, scaler, (g, d, opt_g, opt_d), (g_ref, d_ref, ref_g, ref_d) = _gans()
     data = torch.Generator().manual_seed(3)
     scales = []
     for _ in range(3):

@@ -10,8 +10,6 @@ Importable for the one-process reference (``train``).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,10 +75,9 @@ def main() -> None:
     strategy = torchrig.ModelParallelStrategy(tensor_parallel=args.tp, tp_plan=None)
     rig = torchrig.Rig(accelerator="cpu", devices=args.devices, strategy=strategy)
     state, report = train(rig, args.model)
-    if rig.is_global_zero:
-        torch.save(state, args.out)
-        Path(args.out + ".json").write_text(json.dumps(report))
-    rig.barrier()
+    from model_parallel import write_result  # the script next to this one
+
+    write_result(rig, args.out, state, report)
 
 
 if __name__ == "__main__":
