@@ -1,7 +1,7 @@
 """A tiny Hugging Face causal LM (built from a config, no download) trained with its own
 ``_tp_plan``: ``ModelParallelStrategy(tensor_parallel=N)`` with ``tp_plan=None``.
 
-    python hf_tensor_parallel.py --out W.pt --devices 2 --tp 2 --model llama|qwen3
+    python hf_tensor_parallel.py --out W.pt --devices 2 --tp 2 --model llama|qwen3 [--empty-init]
 
 Rank 0 writes the full final weights to ``--out`` and the losses and the plan used to ``--out.json``.
 Importable for the one-process reference (``train``).
@@ -48,11 +48,14 @@ def batches() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=g)
 
 
-def train(rig: torchrig.Rig, name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``STEPS`` AdamW steps on the same batches; the full final weights (rank 0) and a report."""
-    model = build(name)
+def train(rig: torchrig.Rig, name: str, empty_init: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``STEPS`` AdamW steps on the same batches; the full final weights (rank 0) and a report.
+    ``empty_init``: the model is created on ``meta`` and initialised by ``prepare``."""
+    with rig.init_module(empty_init=empty_init):
+        model = build(name)
     plan = collect_tp_plan(model)
     model, optimizer = rig.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    inv_freq = model.module.model.rotary_emb.inv_freq.tolist()
     losses = []
     for ids in batches():
         loss = model(input_ids=ids, labels=ids).loss
@@ -62,7 +65,8 @@ def train(rig: torchrig.Rig, name: str) -> tuple[dict[str, torch.Tensor], dict[s
         losses.append(float(loss.detach()))
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     state = {k: v.detach().clone() for k, v in rig.strategy.module_state_dict(model).items()}
-    return state, {"losses": losses, "plan": plan, "local_numel": local, "world_size": rig.world_size}
+    report = {"losses": losses, "plan": plan, "local_numel": local, "world_size": rig.world_size, "inv_freq": inv_freq}
+    return state, report
 
 
 def main() -> None:
@@ -71,10 +75,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--model", default="llama")
+    parser.add_argument("--empty-init", action="store_true")
     args = parser.parse_args()
     strategy = torchrig.ModelParallelStrategy(tensor_parallel=args.tp, tp_plan=None)
     rig = torchrig.Rig(accelerator="cpu", devices=args.devices, strategy=strategy)
-    state, report = train(rig, args.model)
+    state, report = train(rig, args.model, args.empty_init)
     from model_parallel import write_result  # the script next to this one
 
     write_result(rig, args.out, state, report)
