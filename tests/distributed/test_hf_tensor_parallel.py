@@ -14,7 +14,7 @@ import torch
 from dist_helpers import SCRIPTS, explain, load_script, run
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.mark.timeout(150)
