@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -85,23 +86,28 @@ def move_batch(data: Any, device: torch.device, nb: bool) -> Any:
         return tuple([move_batch(v, device, nb) for v in data])
     if isinstance(data, _LEAVES):
         return data
-    if isinstance(data, (Mapping, list, tuple)):
-        return rebuild(data, lambda v: move_batch(v, device, nb))
+    # An object's own ``.to()`` first, even a mapping's (a transformers ``BatchEncoding``): it knows
+    # what it holds besides its items.
     move = getattr(data, "to", None)
     if callable(move):
         return move(device, non_blocking=nb) if _takes_non_blocking(cls) else move(device)
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+    if is_container(data):
         return rebuild(data, lambda v: move_batch(v, device, nb))
     return data
 
 
 def _rebuild_mapping(data: Any, items: dict[Any, Any]) -> Any:
-    try:
+    """``data`` holding ``items``, with its type and attributes: a copy updated in place where the
+    mapping can be copied (a ``defaultdict`` keeps its factory, a transformers ``BatchEncoding``
+    its ``encodings``), else one built anew from the items."""
+    if isinstance(data, dict):  # copy.copy copies a dict subclass's items and its attributes
+        out = copy.copy(data)
+    elif isinstance(data, MutableMapping) and callable(getattr(data, "copy", None)):
+        out = data.copy()  # type: ignore[attr-defined]  # a UserDict's own copy keeps its attributes
+    else:
         return type(data)(items)
-    except TypeError:  # e.g. defaultdict, whose first argument is the factory
-        out = data.copy()
-        out.update(items)
-        return out
+    out.update(items)
+    return out
 
 
 _TAKES_NON_BLOCKING: dict[type, bool] = {}

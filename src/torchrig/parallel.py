@@ -110,39 +110,60 @@ def data_parallel_rank(mesh: DeviceMesh) -> int:
     return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
 
 
-def _styles() -> dict[str, Callable[[], ParallelStyle]]:
+_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
+_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.Dropout, nn.RMSNorm)
+_EMBEDDINGS: tuple[type[nn.Module], ...] = (nn.Embedding,)
+_LINEARS: tuple[type[nn.Module], ...] = (nn.Linear,)
+_ANY: tuple[type[nn.Module], ...] = (nn.Module,)
+
+
+def _styles() -> dict[str, tuple[Callable[[], ParallelStyle] | None, tuple[type[nn.Module], ...]]]:
+    """Each style name: how to make its ``ParallelStyle`` (None: nothing to split) and the module
+    types it can split. The names of Hugging Face transformers' ``_tp_plan`` (its
+    ``ALL_PARALLEL_STYLES``) are here too, each as the PyTorch style that splits and computes the same."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    gathered = lambda: ColwiseParallel(output_layouts=Replicate())  # noqa: E731
+    whole_input = lambda: RowwiseParallel(input_layouts=Replicate())  # noqa: E731
     return {
-        "colwise": ColwiseParallel,
-        "rowwise": RowwiseParallel,
-        # the output gathered on every tensor-parallel rank (Hugging Face's name)
-        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise": (ColwiseParallel, _LAYERS),
+        # the output gathered on every tensor-parallel rank
+        "colwise_rep": (gathered, _LAYERS),
         # input and output sharded on the sequence dimension, around a sequence-parallel norm
-        "rowwise_seq": lambda: RowwiseParallel(output_layouts=Shard(1)),
-        "colwise_seq": lambda: ColwiseParallel(input_layouts=Shard(1)),
-        "sequence": SequenceParallel,
-        "sequence_parallel": SequenceParallel,
-        # a row-split embedding takes whole token ids, not ids split like activations
-        "rowwise_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "rowwise_seq_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "colwise_seq": (lambda: ColwiseParallel(input_layouts=Shard(1)), _LAYERS),
+        "rowwise": (RowwiseParallel, _LAYERS),
+        "rowwise_seq": (lambda: RowwiseParallel(output_layouts=Shard(1)), _LAYERS),
+        "sequence": (SequenceParallel, _NORMS),
+        "sequence_parallel": (SequenceParallel, _NORMS),
+        # a row-split layer that takes its whole input (token ids, or activations it slices itself)
+        "rowwise_embedding": (whole_input, _LAYERS),
+        "rowwise_seq_embedding": (lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)), _LAYERS),
+        # -- Hugging Face transformers' names --
+        "colwise_gather_output": (gathered, _LAYERS),
+        "embedding_rowwise": (whole_input, _EMBEDDINGS),  # vocabulary split, lookups summed
+        "embedding_colwise": (gathered, _EMBEDDINGS),  # embedding dimension split, gathered
+        "rowwise_split_input": (whole_input, _LINEARS),
+        "rowwise_rep": (whole_input, _LINEARS),
+        # a norm on this rank's heads (between a colwise and a rowwise layer): weights replicated,
+        # their gradients summed over the ranks. Rows are normalised one by one, so the local
+        # activation may be declared split along its first dimension, whichever it is split on.
+        "replicated_with_grad_allreduce": (lambda: SequenceParallel(sequence_dim=0, use_local_output=True), _ANY),
+        "replicate": (None, _ANY),  # left whole on every rank
     }
 
 
-#: The module types each named style can split (parallelize_module accepts these).
-_SUPPORTED: dict[str, tuple[type[nn.Module], ...]] = {
-    "colwise": (nn.Linear, nn.Embedding),
-    "colwise_rep": (nn.Linear, nn.Embedding),
-    "colwise_seq": (nn.Linear, nn.Embedding),
-    "rowwise": (nn.Linear, nn.Embedding),
-    "rowwise_seq": (nn.Linear, nn.Embedding),
-    "sequence": (nn.LayerNorm, nn.Dropout, nn.RMSNorm),
-    "sequence_parallel": (nn.LayerNorm, nn.Dropout, nn.RMSNorm),
-}
-
-STYLE_NAMES = tuple(_SUPPORTED)
-
+#: transformers' styles with no PyTorch ``ParallelStyle`` that computes the same: they need
+#: transformers' own sharding code (fused or strided weights, expert layers, partial outputs).
+_HF_ONLY = (
+    "packed_colwise",
+    "packed_rowwise",
+    "moe_tp_experts",
+    "moe_identity_expert",
+    "mla_kv_a_proj",
+    "all_reduce",
+    "local_params",
+)
 
 def resolve_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> dict[str, ParallelStyle]:
     """``plan`` with its patterns expanded to module names and its style names made into styles.
@@ -159,10 +180,17 @@ def resolve_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -
     names = [(name, name.split("."), sub) for name, sub in model.named_modules() if name]
     out: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
+        if style in _HF_ONLY:
+            raise ValueError(
+                f"tp_plan[{pattern!r}] = {style!r} is a Hugging Face transformers style that no PyTorch "
+                "ParallelStyle reproduces (it needs transformers' own sharding code); pass tp_plan= without "
+                f"{pattern!r} (the module stays whole), a torch.distributed.tensor.parallel.ParallelStyle for "
+                "it, or parallelize=fn(model, mesh)"
+            )
         if not isinstance(style, ParallelStyle) and style not in styles:
             raise ValueError(
                 f"tp_plan[{pattern!r}] = {style!r} is not a tensor-parallel style; use one of "
-                f"{', '.join(STYLE_NAMES)} or a torch.distributed.tensor.parallel.ParallelStyle"
+                f"{', '.join(styles)} or a torch.distributed.tensor.parallel.ParallelStyle"
             )
         parts = pattern.split(".")
         found = [
@@ -178,17 +206,20 @@ def resolve_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -
                 "names as model.named_modules() gives them, with * for any one part (e.g. 'layers.*.mlp.up')"
             )
         for name, sub in found:
-            if isinstance(style, str) and not isinstance(sub, _SUPPORTED[style]):
-                kinds = ", ".join(t.__name__ for t in _SUPPORTED[style])
+            if not isinstance(style, str):
+                out[name] = style
+                continue
+            make, kinds = styles[style]
+            if not isinstance(sub, kinds):
                 raise TypeError(
                     f"tp_plan[{pattern!r}] = {style!r} cannot split {name} ({type(sub).__name__}): {style!r} "
-                    f"takes {kinds}. Leave it out of the plan (it stays replicated) or pass a ParallelStyle "
-                    "written for it"
+                    f"takes {', '.join(t.__name__ for t in kinds)}. Leave it out of the plan (it stays "
+                    "replicated) or pass a ParallelStyle written for it"
                 )
-            if isinstance(style, str) and style in ("rowwise", "rowwise_seq") and isinstance(sub, nn.Embedding):
-                out[name] = styles[f"{style}_embedding"]()
-            else:
-                out[name] = styles[style]() if isinstance(style, str) else style
+            if style in ("rowwise", "rowwise_seq") and isinstance(sub, nn.Embedding):
+                make = styles[f"{style}_embedding"][0]  # token ids come whole, not split like activations
+            if make is not None:
+                out[name] = make()
     return out
 
 
@@ -210,8 +241,9 @@ def collect_tp_plan(model: nn.Module) -> dict[str, Any] | None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str | ParallelStyle]) -> nn.Module:
     """Split the modules ``plan`` names over ``tp_mesh`` with ``parallelize_module``; returns ``model``.
 
-    Styles: ``"colwise"``, ``"rowwise"``, ``"colwise_rep"``, ``"colwise_seq"``, ``"rowwise_seq"``,
-    ``"sequence"`` (see :func:`resolve_tp_plan` for the keys), or ``ParallelStyle`` instances.
+    Styles: ``"colwise"``, ``"rowwise"``, ``"colwise_rep"``,
+    ``"sequence"``..., and the names Hugging Face models use in their ``_tp_plan``), or
+    ``ParallelStyle`` instances; see :func:`resolve_tp_plan` for the keys.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 

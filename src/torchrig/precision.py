@@ -8,12 +8,14 @@ what it can do: torchrig never falls back to fp32 behind your back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchrig import arguments
 from torchrig.devices import device_module
 from torchrig.fp8 import FP8_PRECISION, FP8Mixed, convert, fp8_unsupported_reason, require_torchao
 from torchrig.nested import apply_to_tensors
@@ -88,30 +90,73 @@ def supported_precisions(device_type: str) -> list[str]:
 class DeferredUpdateGradScaler(torch.amp.GradScaler):
     """A GradScaler whose ``update()`` runs once per iteration, however many optimizers step.
 
-    PyTorch's recipe with several optimizers is ``scale(loss).backward()``, ``step(opt1)``,
-    ``step(opt2)``, then one ``update()``. Prepared optimizers step one at a time and cannot
-    know which is the last, so :meth:`Precision.optimizer_step` only marks the update as due
-    (:meth:`defer_update`); it runs before the scale is next used for a new iteration: in
-    :meth:`scale`, or when the scale or the state is read (:meth:`get_scale`,
-    :meth:`state_dict`, :meth:`load_state_dict`, pickling). ``unscale_`` and ``step`` do not
-    run it: they belong to the iteration whose loss was scaled with the current scale. With
-    one optimizer the scale sequence is exactly that of ``step(); update()``.
+    PyTorch's recipe with several optimizers is to step each of them, then call ``update()`` once.
+    Prepared optimizers step one at a time, each through :meth:`step`, so the scaler keeps the
+    round: the optimizers that stepped since the last update. The round is complete when every
+    optimizer :meth:`track`-ed (every one a Rig prepared) has stepped; the update then runs
+    before the scale is next used, in :meth:`scale` (the next iteration's first ``backward``), or
+    when the scale or the state is read (:meth:`get_scale`, :meth:`state_dict`,
+    :meth:`load_state_dict`, pickling, which also end a round still open). So a GAN's D-step
+    (backward, step) then G-step (backward, step) updates once per iteration, as PyTorch's
+    recipe does. An optimizer that steps again before the round is complete (a critic stepping
+    several times per generator step, or an optimizer that never steps) ends the round at that
+    second step: its gradients are unscaled with the scale they were scaled with, then the update
+    runs. ``unscale_`` and ``step`` never run the update otherwise: they belong to the iteration
+    whose losses were scaled with the current scale. With no tracked optimizer, every step
+    completes the round (one optimizer: exactly ``step(); update()``).
     """
 
     _update_due = False
 
-    def defer_update(self) -> None:
-        """Mark ``update()`` as due; it runs before the scale is used or read again."""
-        self._update_due = True
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tracked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._stepped: set[int] = set()  # ids of the optimizers that stepped since the last update
+
+    def track(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer`` among those whose steps make one iteration (``Rig.prepare`` calls it)."""
+        self._tracked.add(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if id(optimizer) in self._stepped:
+            self._end_round_before(optimizer)
+        out = super().step(optimizer, *args, **kwargs)
+        self._stepped.add(id(optimizer))
+        if all(id(o) in self._stepped for o in self._tracked):
+            self._update_due = True
+        return out
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) in self._stepped:
+            self._end_round_before(optimizer)  # unscales it too
+        else:
+            super().unscale_(optimizer)
+
+    def _end_round_before(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` steps a second time in this round: unscale its new gradients with the
+        current scale (the one they were scaled with), then update with the round's inf checks."""
+        states = self._per_optimizer_states
+        earlier = states.pop(id(optimizer))
+        super().unscale_(optimizer)
+        now = states.pop(id(optimizer))
+        states[id(optimizer)] = earlier
+        self.update()
+        self._per_optimizer_states[id(optimizer)] = now
 
     def apply_deferred_update(self) -> None:
-        """Run the due ``update()`` now, if there is one (sync-free, like ``update()``)."""
+        """Run the update of a complete round now, if there is one (sync-free, like ``update()``)."""
         if self._update_due:
+            self.update()
+
+    def _end_iteration(self) -> None:
+        """Close the round, complete or not (the iteration is over: the state is saved or replaced)."""
+        if self._stepped:
             self.update()
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         # A due update is this call: an explicit update() after a step must not run twice.
         self._update_due = False
+        self._stepped = set()
         super().update(new_scale)
 
     def scale(self, outputs: Any) -> Any:
@@ -123,17 +168,60 @@ class DeferredUpdateGradScaler(torch.amp.GradScaler):
         return super().get_scale()
 
     def state_dict(self) -> dict[str, Any]:
-        self.apply_deferred_update()
+        self._end_iteration()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Finish the iteration first, so the update it owes cannot be applied to the loaded scale.
-        self.apply_deferred_update()
+        self._end_iteration()
         super().load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
-        self.apply_deferred_update()
-        return super().__getstate__()
+        self._end_iteration()
+        state = super().__getstate__()
+        state.pop("_tracked", None)  # the optimizers are not part of the scaler's state
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._tracked = weakref.WeakSet()
+        self._stepped = set()
+
+
+#: What ``grad_scaler=`` may set: the arguments of ``torch.amp.GradScaler``.
+SCALER_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+
+
+def _scaler_options(name: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``grad_scaler=`` checked: a dict of :data:`SCALER_OPTIONS`, for ``16-mixed`` only."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"grad_scaler={options!r} must be a dict of GradScaler settings such as "
+            "{'init_scale': 1024.0, 'growth_interval': 100}"
+        )
+    if name != "16-mixed":
+        raise ValueError(
+            f"grad_scaler={dict(options)!r} sets the GradScaler of precision='16-mixed', but precision={name!r} "
+            "has none; drop grad_scaler, or use precision='16-mixed'"
+        )
+    unknown = sorted(set(options) - set(SCALER_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"grad_scaler has unknown setting(s) {', '.join(unknown)}; it takes {', '.join(SCALER_OPTIONS)}"
+        )
+    for key, value in options.items():
+        if key == "growth_interval":
+            arguments.int_in_range("grad_scaler['growth_interval']", value, 1)
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"grad_scaler[{key!r}]={value!r} must be a number > 0")
+    if options.get("growth_factor", 2.0) <= 1 or options.get("backoff_factor", 0.5) >= 1:
+        raise ValueError(
+            f"grad_scaler={dict(options)!r}: growth_factor must be > 1 and backoff_factor < 1 (the defaults are "
+            "2.0 and 0.5)"
+        )
+    return dict(options)
 
 
 def auto_precision(device_type: str) -> str:
@@ -154,6 +242,10 @@ class Precision:
         name: one of :data:`NAMES` (:data:`PRECISIONS` and ``"fp8-mixed"``), or an
             :class:`~torchrig.FP8Mixed` (``fp8-mixed`` with a choice of layers).
         device_type: the ``torch.device`` type the run uses.
+        grad_scaler: for ``16-mixed``, the settings of its ``torch.amp.GradScaler``:
+            ``init_scale`` (default ``2.0**16``), ``growth_factor`` (2.0), ``backoff_factor`` (0.5),
+            ``growth_interval`` (2000). Pass the Precision as ``Rig(precision=...)`` or
+            ``Trainer(precision=...)``.
 
     Example:
         >>> p = Precision(name="bf16-mixed", device_type="cpu")
@@ -163,7 +255,9 @@ class Precision:
         torch.bfloat16
     """
 
-    def __init__(self, *, name: str | FP8Mixed, device_type: str) -> None:
+    def __init__(
+        self, *, name: str | FP8Mixed, device_type: str, grad_scaler: Mapping[str, Any] | None = None
+    ) -> None:
         self.name = normalize_precision(name)
         self.device_type = device_type
         if self.name == "auto":
@@ -182,8 +276,10 @@ class Precision:
                 )
         self.param_dtype: torch.dtype | None = _TRUE_DTYPES.get(self.name)
         self.autocast_dtype: torch.dtype | None = _MIXED_DTYPES.get(self.name)
+        options = _scaler_options(self.name, grad_scaler)
+        #: The GradScaler of ``16-mixed`` (None otherwise), made with the ``grad_scaler`` settings.
         self.scaler: DeferredUpdateGradScaler | None = (
-            DeferredUpdateGradScaler(device_type) if self.name == "16-mixed" else None
+            DeferredUpdateGradScaler(device_type, **options) if self.name == "16-mixed" else None
         )
 
     def _check_fp8(self) -> None:
@@ -291,15 +387,14 @@ class Precision:
         """Step ``optimizer``; under fp16-mixed the GradScaler skips steps with inf/NaN gradients.
 
         The scale is updated once per iteration, after all its optimizers stepped: the update is
-        deferred to the next ``backward`` (or the next read of the scaler's scale or state).
+        deferred to the next ``backward`` (or the next read of the scaler's scale or state); see
+        :class:`DeferredUpdateGradScaler`.
         """
         if self.scaler is None:
             return optimizer.step(closure) if closure is not None else optimizer.step()
         if closure is not None:
             raise ValueError("precision='16-mixed' cannot step with a closure (GradScaler does not support it)")
-        out = self.scaler.step(optimizer)
-        self.scaler.defer_update()
-        return out
+        return self.scaler.step(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

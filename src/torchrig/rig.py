@@ -31,7 +31,7 @@ from torchrig.preemption import SignalsLike, SignalWatch, resolve_signals
 from torchrig.resolve import Plan, resolve
 from torchrig.strategies import Strategy
 from torchrig.strategies.base import check_reduce_op, reset_parameters
-from torchrig.wrappers import RigModule, RigOptimizer, wrap_optimizer
+from torchrig.wrappers import RigModule, RigOptimizer, as_prepared, wrap_optimizer
 
 if TYPE_CHECKING:
     from torchrig.checkpoint.remote import CheckpointURL
@@ -216,7 +216,8 @@ class Rig:
         return out[0] if len(out) == 1 else tuple(out)
 
     def _check_preparable(self, obj: Any) -> None:
-        if isinstance(obj, (RigModule, RigOptimizer, RigDataLoader)) or self._prepared.get(id(obj)) is obj:
+        prepared = isinstance(obj, (RigOptimizer, RigDataLoader)) or as_prepared(obj) is not None
+        if prepared or self._prepared.get(id(obj)) is obj:
             raise ValueError(
                 f"{type(obj).__name__} was already prepared by this Rig; prepare each object once "
                 "and use what prepare() returned"
@@ -376,11 +377,16 @@ class Rig:
         Example:
             >>> # with rig.no_backward_sync(model, enabled=not last_micro_batch): rig.backward(loss)
         """
-        if not isinstance(module, RigModule):
-            raise TypeError("no_backward_sync() needs the module that rig.prepare() returned")
+        prepared = as_prepared(module)
+        if prepared is None:
+            raise TypeError(
+                f"no_backward_sync() needs the module that rig.prepare() returned (or torch.compile of it); "
+                f"got a {type(module).__name__} that was not prepared: pass model, where "
+                "model, optimizer = rig.prepare(model, optimizer)"
+            )
         if not enabled:
             return contextlib.nullcontext()
-        return self.strategy.no_backward_sync(module._forward_module, enabled)
+        return self.strategy.no_backward_sync(prepared._forward_module, enabled)
 
     @contextlib.contextmanager
     def init_module(self, empty_init: bool = False) -> Iterator[None]:

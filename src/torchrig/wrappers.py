@@ -14,6 +14,16 @@ from torchrig.diagnostics import DeviceMismatchError, explain
 from torchrig.precision import Precision
 
 
+def as_prepared(module: Any) -> RigModule | None:
+    """The ``RigModule`` that ``module`` is, or that a ``torch.compile(prepared)`` wraps
+    (``OptimizedModule``); None when it is neither."""
+    from torchrig.speedups import unwrap_compiled
+
+    if isinstance(module, nn.Module):
+        module = unwrap_compiled(module)[0]
+    return module if isinstance(module, RigModule) else None
+
+
 class RigModule(nn.Module):
     """A prepared module. Calls run under the precision's autocast and input conversion;
     attributes, ``state_dict`` and ``load_state_dict`` are those of the module you passed in.
@@ -235,4 +245,6 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, precision: Precision) -> to
     proxy: Any = object.__new__(cls)
     object.__setattr__(proxy, "_rig_optimizer", optimizer)
     object.__setattr__(proxy, "_rig_precision", precision)
+    if precision.scaler is not None:  # its steps count towards the scaler's iteration
+        precision.scaler.track(optimizer)
     return proxy  # type: ignore[no-any-return]

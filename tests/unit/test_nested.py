@@ -117,3 +117,43 @@ def test_apply_to_tensors_preserves_types() -> None:
     out = apply_to_tensors(data, lambda t: t * 2)
     assert isinstance(out["p"], Pair) and out["p"].x.item() == 2.0
     assert isinstance(out["b"], Batch) and out["b"].x.item() == 2.0 and out["s"] == "x"
+
+
+def _encoded() -> Any:
+    """A transformers ``BatchEncoding`` from a real (tiny, local) fast tokenizer: it carries
+    ``encodings`` beside its tensors, which ``word_ids()`` reads."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "hello": 2, "world": 3, "again": 4}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="[PAD]", unk_token="[UNK]")
+    return tokenizer(["hello world", "hello again world"], padding=True, return_tensors="pt")
+
+
+def test_a_batch_encoding_keeps_its_type_and_encodings_on_the_move() -> None:
+    batch = _encoded()
+    assert batch.word_ids(1) == [0, 1, 2]
+    moved = move_to_device(batch, META)
+    assert type(moved) is type(batch) and moved["input_ids"].device == META
+    assert moved.word_ids(0) == [0, 1, None] and moved.word_ids(1) == [0, 1, 2]  # raised before: encodings lost
+    nested = move_to_device({"enc": batch, "n": 1}, META)  # inside a container, through the same path
+    assert nested["enc"].word_ids(1) == [0, 1, 2] and nested["enc"]["attention_mask"].device == META
+
+
+def test_apply_to_tensors_keeps_a_mappings_attributes() -> None:
+    batch = _encoded()
+    doubled = apply_to_tensors(batch, lambda t: t * 2)  # as the precision's input cast and all_gather go
+    assert type(doubled) is type(batch) and doubled.word_ids(1) == [0, 1, 2]
+    assert torch.equal(doubled["input_ids"], batch["input_ids"] * 2)
+    assert batch["input_ids"].max() == 4  # the original is untouched
+
+    class Tagged(dict):  # type: ignore[type-arg]
+        tag = "class"
+
+    tagged = Tagged(x=torch.ones(1))
+    tagged.tag = "mine"
+    out = apply_to_tensors(tagged, lambda t: t + 1)
+    assert isinstance(out, Tagged) and out.tag == "mine" and out["x"].item() == 2.0 and tagged["x"].item() == 1.0

@@ -152,3 +152,59 @@ def test_errors_inherited_from_fsdp_name_this_strategy() -> None:
         strategy.backend()
     with pytest.raises(ValueError, match=r"not in any module prepared with strategy='model_parallel'"):
         strategy.setup_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_the_unknown_style_error_lists_every_style_it_takes() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    with pytest.raises(ValueError) as err:
+        parallel.resolve_tp_plan(tiny(), {"head": "diagonal"})
+    assert str(err.value) == (
+        "tp_plan['head'] = 'diagonal' is not a tensor-parallel style; use one of colwise, colwise_rep, colwise_seq, "
+        "rowwise, rowwise_seq, sequence, sequence_parallel, rowwise_embedding, rowwise_seq_embedding, "
+        "colwise_gather_output, embedding_rowwise, embedding_colwise, rowwise_split_input, rowwise_rep, "
+        "replicated_with_grad_allreduce, replicate or a torch.distributed.tensor.parallel.ParallelStyle"
+    )
+    # every name it lists is accepted (the embedding variants were listed nowhere and failed with a KeyError)
+    for name in ("rowwise_embedding", "rowwise_seq_embedding", "embedding_rowwise", "embedding_colwise"):
+        assert isinstance(parallel.resolve_tp_plan(tiny(), {"tok": name})["tok"], RowwiseParallel | ColwiseParallel)
+
+
+def test_hugging_face_style_names_become_the_pytorch_styles_that_compute_the_same() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan = {
+        "head": "colwise_gather_output",
+        "tok": "embedding_rowwise",
+        "layers.0.mlp.down": "rowwise_split_input",
+        "layers.1.mlp.down": "rowwise_rep",
+        "layers.0.norm1": "replicated_with_grad_allreduce",
+        "layers.1.norm1": "replicate",
+    }
+    resolved = parallel.resolve_tp_plan(tiny(), plan)
+    assert sorted(resolved) == ["head", "layers.0.mlp.down", "layers.0.norm1", "layers.1.mlp.down", "tok"]
+    assert isinstance(resolved["head"], ColwiseParallel) and resolved["head"].output_layouts[0].is_replicate()
+    for name in ("tok", "layers.0.mlp.down", "layers.1.mlp.down"):  # the input arrives whole on every rank
+        assert isinstance(resolved[name], RowwiseParallel) and resolved[name].input_layouts[0].is_replicate()
+    assert isinstance(resolved["layers.0.norm1"], SequenceParallel)
+    with pytest.raises(TypeError, match=r"'embedding_rowwise' cannot split head \(Linear\): 'embedding_rowwise' takes"):
+        parallel.resolve_tp_plan(tiny(), {"head": "embedding_rowwise"})
+
+
+@pytest.mark.parametrize("style", ["packed_colwise", "packed_rowwise", "moe_tp_experts", "mla_kv_a_proj", "all_reduce"])
+def test_hugging_face_styles_without_a_pytorch_equivalent_say_what_to_do(style: str) -> None:
+    with pytest.raises(ValueError) as err:
+        parallel.resolve_tp_plan(tiny(), {"layers.*.mlp.up": style})
+    assert str(err.value) == (
+        f"tp_plan['layers.*.mlp.up'] = '{style}' is a Hugging Face transformers style that no PyTorch ParallelStyle "
+        "reproduces (it needs transformers' own sharding code); pass tp_plan= without 'layers.*.mlp.up' (the module "
+        "stays whole), a torch.distributed.tensor.parallel.ParallelStyle for it, or parallelize=fn(model, mesh)"
+    )
+
+
+def test_every_style_transformers_registers_is_mapped_or_refused() -> None:
+    pytest.importorskip("transformers")
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    known = set(parallel._styles()) | set(parallel._HF_ONLY)
+    assert set(ALL_PARALLEL_STYLES.valid_keys()) - known == set()

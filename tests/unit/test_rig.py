@@ -159,8 +159,24 @@ def test_accumulating_four_micro_batches_equals_one_step_on_the_4x_batch() -> No
 
 
 def test_no_backward_sync_needs_the_prepared_module() -> None:
-    with pytest.raises(TypeError, match=r"no_backward_sync\(\) needs the module that rig.prepare\(\) returned"):
+    with pytest.raises(TypeError) as err:
         _rig().no_backward_sync(_mlp())
+    assert str(err.value) == (
+        "no_backward_sync() needs the module that rig.prepare() returned (or torch.compile of it); got a "
+        "Sequential that was not prepared: pass model, where model, optimizer = rig.prepare(model, optimizer)"
+    )
+    with pytest.raises(TypeError, match="got a OptimizedModule that was not prepared"):
+        _rig().no_backward_sync(torch.compile(_mlp(), backend="eager"))
+
+
+def test_a_compiled_prepared_module_counts_as_the_prepared_one() -> None:
+    rig = _rig()
+    model = rig.prepare(_mlp())
+    compiled = torch.compile(model, backend="eager")
+    with rig.no_backward_sync(compiled):  # a TypeError before
+        rig.backward(compiled(torch.ones(2, 4)).sum())
+    with pytest.raises(ValueError, match="OptimizedModule was already prepared by this Rig; prepare each object once"):
+        rig.prepare(compiled)
 
 
 def _with_grads(rig: torchrig.Rig) -> tuple[nn.Module, torch.optim.Optimizer]:

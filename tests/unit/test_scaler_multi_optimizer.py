@@ -185,3 +185,145 @@ def test_loading_or_pickling_the_scaler_between_iterations_applies_the_due_updat
     precision.load_state_dict(saved)  # while the inf iteration's update is due
     precision.backward(model(torch.randn(2, 4)).sum())  # the loaded scale is not backed off
     assert scaler.get_scale() == 8.0
+
+
+def _gan() -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    """A generator G (2 -> 3) and a discriminator D (3 -> 1)."""
+    torch.manual_seed(1)
+    return torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+
+
+def _gans() -> tuple[torchrig.Rig, DeferredUpdateGradScaler, tuple[Any, ...], tuple[Any, ...]]:
+    """A 16-mixed Rig, its scaler (every update without an inf doubles the scale), and two copies
+    of one GAN with SGD optimizers: (G, D, G's, D's) prepared by the Rig, and the same unprepared."""
+    rig = torchrig.Rig(accelerator="cpu", precision="16-mixed")
+    g, d = _gan()
+    g_ref, d_ref = copy.deepcopy(g), copy.deepcopy(d)
+    opt_d, opt_g = rig.prepare(torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1))
+    ref_d, ref_g = torch.optim.SGD(d_ref.parameters(), lr=0.1), torch.optim.SGD(g_ref.parameters(), lr=0.1)
+    scaler = _scaler(rig.precision)
+    scaler.set_growth_interval(1)
+    return rig, scaler, (g, d, opt_g, opt_d), (g_ref, d_ref, ref_g, ref_d)
+
+
+def _d_loss(d: torch.nn.Module, g: torch.nn.Module, real: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    return (d(real) - 1).pow(2).mean() + d(g(z).detach()).pow(2).mean()
+
+
+def _g_loss(d: torch.nn.Module, g: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
+    return (d(g(z)) - 1).pow(2).mean()
+
+
+def test_a_gan_d_step_then_g_step_updates_the_scale_once_per_iteration_like_pytorchs_recipe() -> None:
+    # The D-step's update used to run at the G-step's backward: two updates per iteration.
+    rig, scaler, (g, d, opt_g, opt_d), (g_ref, d_ref, ref_g, ref_d) = _gans()
+    ref = torch.amp.GradScaler("cpu", growth_interval=1)
+    data = torch.Generator().manual_seed(2)
+    ours, theirs = [], []
+    for i in range(5):
+        real, z = torch.randn(4, 3, generator=data), torch.randn(4, 2, generator=data)
+        rig.backward(_d_loss(d, g, real, z))
+        ref.scale(_d_loss(d_ref, g_ref, real, z)).backward()
+        if i == 2:  # D overflows once: its step is skipped and the scale backs off
+            d.weight.grad[0, 0] = d_ref.weight.grad[0, 0] = float("inf")  # type: ignore[index]
+        opt_d.step()
+        ref.step(ref_d)
+        opt_d.zero_grad(), ref_d.zero_grad(), opt_g.zero_grad(), ref_g.zero_grad()
+        rig.backward(_g_loss(d, g, z))
+        ref.scale(_g_loss(d_ref, g_ref, z)).backward()
+        opt_g.step()
+        ref.step(ref_g)
+        ref.update()  # once, after both optimizers stepped
+        opt_d.zero_grad(), ref_d.zero_grad(), opt_g.zero_grad(), ref_g.zero_grad()
+        ours.append(scaler.get_scale())
+        theirs.append(ref.get_scale())
+    assert theirs == [2.0**17, 2.0**18, 2.0**17, 2.0**18, 2.0**19]
+    assert ours == theirs  # was 2**18 after the first iteration, 2**24 after the fifth
+    for p, q in zip([*d.parameters(), *g.parameters()], [*d_ref.parameters(), *g_ref.parameters()], strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_critic_stepping_twice_per_generator_step_unscales_each_step_with_its_own_scale() -> None:
+    # D steps again before the round {D, G} is complete: that ends the round (one update), after
+    # D's new gradients were unscaled with the scale they were scaled with. Power-of-two scales on
+    # fp32 losses cancel exactly, so the training equals the same loop without a scaler.
+    rig, scaler, (g, d, opt_g, opt_d), (g_ref, d_ref, ref_g, ref_d) = _gans()
+    data = torch.Generator().manual_seed(3)
+    scales = []
+    for _ in range(3):
+        z = torch.randn(4, 2, generator=data)
+        for _ in range(2):  # two critic steps
+            real = torch.randn(4, 3, generator=data)
+            for model_d, model_g, opt, backward in ((d, g, opt_d, rig.backward), (d_ref, g_ref, ref_d, None)):
+                loss = _d_loss(model_d, model_g, real, z)
+                loss.backward() if backward is None else backward(loss)
+                if backward is not None:
+                    rig.clip_gradients(d, opt, max_norm=1e9)  # unscales here, before the step
+                opt.step()
+                opt.zero_grad()
+        rig.backward(_g_loss(d, g, z))
+        _g_loss(d_ref, g_ref, z).backward()
+        opt_g.step()
+        ref_g.step()
+        opt_g.zero_grad(), ref_g.zero_grad(), opt_d.zero_grad(), ref_d.zero_grad()
+        scales.append(scaler.get_scale())
+    assert scales == [2.0**18, 2.0**20, 2.0**22]  # two updates per iteration: one per critic round
+    for p, q in zip([*d.parameters(), *g.parameters()], [*d_ref.parameters(), *g_ref.parameters()], strict=True):
+        assert torch.equal(p, q)
+
+
+def test_the_grad_scaler_settings_are_an_argument_of_the_precision() -> None:
+    settings = {"init_scale": 256.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 3}
+    precision = Precision(name="16-mixed", device_type="cpu", grad_scaler=settings)
+    rig = torchrig.Rig(accelerator="cpu", precision=precision)
+    scaler = _scaler(rig.precision)
+    assert rig.precision is precision
+    assert scaler.get_scale() == 256.0 and scaler.get_growth_factor() == 4.0
+    assert scaler.get_backoff_factor() == 0.25 and scaler.get_growth_interval() == 3
+    trainer = torchrig.Trainer(
+        accelerator="cpu",
+        precision=Precision(name="16-mixed", device_type="cpu", grad_scaler={"init_scale": 8.0}),
+        logger=False,
+        enable_checkpointing=False,
+    )
+    assert _scaler(trainer.rig.precision).get_scale() == 8.0
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "error", "message"),
+    [
+        (
+            "bf16-mixed",
+            {"init_scale": 8.0},
+            ValueError,
+            "grad_scaler={'init_scale': 8.0} sets the GradScaler of precision='16-mixed', but "
+            "precision='bf16-mixed' has none; drop grad_scaler, or use precision='16-mixed'",
+        ),
+        (
+            "16-mixed",
+            {"init_scale": 8.0, "growth": 2},
+            TypeError,
+            "grad_scaler has unknown setting(s) growth; it takes init_scale, growth_factor, backoff_factor, "
+            "growth_interval",
+        ),
+        ("16-mixed", {"init_scale": -1.0}, ValueError, "grad_scaler['init_scale']=-1.0 must be a number > 0"),
+        (
+            "16-mixed",
+            {"growth_factor": 0.5},
+            ValueError,
+            "grad_scaler={'growth_factor': 0.5}: growth_factor must be > 1 and backoff_factor < 1 (the defaults "
+            "are 2.0 and 0.5)",
+        ),
+        (
+            "16-mixed",
+            [("init_scale", 8.0)],
+            TypeError,
+            "grad_scaler=[('init_scale', 8.0)] must be a dict of GradScaler settings such as "
+            "{'init_scale': 1024.0, 'growth_interval': 100}",
+        ),
+    ],
+)
+def test_bad_grad_scaler_settings_are_refused(name: str, settings: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as err:
+        Precision(name=name, device_type="cpu", grad_scaler=settings)
+    assert str(err.value) == message

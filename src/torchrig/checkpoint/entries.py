@@ -15,7 +15,7 @@ from torchrig.checkpoint.meta import FORMAT, FORMAT_VERSION, plain_key
 from torchrig.checkpoint.rng import capture_rng
 from torchrig.checkpoint.tensors import split_module_state
 from torchrig.speedups import unwrap_compiled
-from torchrig.wrappers import RigModule, RigOptimizer
+from torchrig.wrappers import RigOptimizer, as_prepared
 
 
 def is_stateful(obj: Any) -> bool:
@@ -31,9 +31,9 @@ def user_module(module: nn.Module) -> nn.Module:
     Not :func:`torchrig.strategies.ddp.unwrap_module`, which stops at what the strategy wrapped
     (the module inside ``DistributedDataParallel``, compiled or not).
     """
-    inner = getattr(module, "module", None)
-    if isinstance(module, RigModule) and isinstance(inner, nn.Module):
-        module = inner
+    prepared = as_prepared(module)
+    if prepared is not None and isinstance(prepared.module, nn.Module):
+        module = prepared.module
     return unwrap_compiled(module)[0]
 
 

@@ -8,6 +8,7 @@ collectives; distributed strategies override what they need.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -232,15 +233,35 @@ def check_reduce_op(op: str) -> None:
 
 
 def reset_parameters(module: nn.Module) -> None:
-    """Initialise parameters materialised from ``meta`` with each submodule's own ``reset_parameters``."""
-    missing = []
+    """Initialise a module materialised from ``meta`` (``to_empty``) with its own initialisation.
+
+    A submodule with an ``init_weights()`` that takes no arguments (every Hugging Face
+    ``PreTrainedModel``; torchtitan's models) initialises its whole subtree with it, buffers
+    included (a rotary embedding's ``inv_freq``, recomputed from the config). Every other submodule
+    calls its ``reset_parameters()`` (or ``_reset_parameters()``, as ``nn.MultiheadAttention``).
+    Parameters and non-persistent buffers that neither reaches hold uninitialised memory: a warning
+    names them (loading a checkpoint repairs the parameters, never those buffers, which it does not hold).
+    """
+    missing: list[str] = []
+    buffers: list[str] = []
+    covered: set[int] = set()
     for name, sub in module.named_modules():
+        if id(sub) in covered:
+            continue
+        init_all = _whole_tree_init(sub)
+        if init_all is not None:
+            init_all()
+            covered.update(id(m) for m in sub.modules())
+            continue
         # ``_reset_parameters`` is what nn.MultiheadAttention and nn.Transformer call theirs.
         reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
         if callable(reset):
             reset()
-        elif any(True for _ in sub.parameters(recurse=False)):
-            missing.append(f"{name or '<root>'} ({type(sub).__name__})")
+            continue
+        label = f"{name or '<root>'} ({type(sub).__name__})"
+        if any(True for _ in sub.parameters(recurse=False)):
+            missing.append(label)
+        buffers += [f"{name}.{b}" if name else b for b in sorted(sub._non_persistent_buffers_set)]
     if missing:
         warnings.warn(
             "rig.init_module(empty_init=True): these modules have parameters but no reset_parameters(), so "
@@ -248,3 +269,25 @@ def reset_parameters(module: nn.Module) -> None:
             "reset_parameters() method, or load weights after prepare",
             stacklevel=3,
         )
+    if buffers:
+        warnings.warn(
+            "rig.init_module(empty_init=True): these non-persistent buffers were created on the meta device and "
+            f"nothing initialised them, so they hold uninitialised memory: {', '.join(buffers)}. Loading weights "
+            "cannot repair them (a checkpoint does not hold them): give their module a reset_parameters() that "
+            "computes them (or the model an init_weights()), or create the model without empty_init=True",
+            stacklevel=3,
+        )
+
+
+def _whole_tree_init(module: nn.Module) -> Callable[[], Any] | None:
+    """``module.init_weights`` when it initialises its subtree and takes no arguments, else None."""
+    init = getattr(module, "init_weights", None)
+    if not callable(init):
+        return None
+    try:
+        params = inspect.signature(init).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None
+    return init

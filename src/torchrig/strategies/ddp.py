@@ -15,16 +15,18 @@ from torchrig.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 
 def unwrap_module(module: nn.Module) -> nn.Module:
     """The module inside a prepared ``RigModule`` and/or ``DistributedDataParallel``: what the
-    strategy wrapped. A ``torch.compile(model)`` wrapper (``OptimizedModule``) given as it is stays
-    (its state-dict keys start with ``_orig_mod.``).
+    strategy wrapped; ``torch.compile`` of a prepared module is looked through. A
+    ``torch.compile(model)`` wrapper (``OptimizedModule``) of anything else stays (its state-dict
+    keys start with ``_orig_mod.``).
 
     Checkpoints use :func:`torchrig.checkpoint.entries.user_module` instead, which removes that
     wrapper too, so that the keys are the model's own, compiled or not.
     """
-    from torchrig.wrappers import RigModule
+    from torchrig.wrappers import as_prepared
 
-    if isinstance(module, RigModule):
-        module = module._forward_module
+    prepared = as_prepared(module)
+    if prepared is not None:
+        module = prepared._forward_module
     if isinstance(module, DistributedDataParallel):
         module = module.module
     return module

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torchrig.clusters import ClusterEnvironment, detect_environment
+from torchrig.dtensors import whole
 from torchrig.strategies.base import Strategy, check_reduce_op
 from torchrig.strategies.hangs import collective
 from torchrig.strategies.launch import SubprocessLauncher, install_failure_report, spawn, watch_parent
@@ -282,6 +283,7 @@ class ParallelStrategy(Strategy):
         """Stack ``tensor`` from every rank: ``(world_size, *shape)``; same shape on every rank."""
         if not self._active():
             return tensor.unsqueeze(0)
+        tensor = whole(tensor)
         if sync_grads:
             from torch.distributed.nn.functional import all_gather
 
@@ -298,6 +300,7 @@ class ParallelStrategy(Strategy):
         check_reduce_op(op)
         if not self._active():
             return tensor
+        tensor = whole(tensor)
         out = tensor.clone() if tensor.is_floating_point() or op != "mean" else tensor.double()
         with self._collective(f"all_reduce({op!r})"):
             dist.all_reduce(out, op=_OPS[op])
@@ -319,7 +322,7 @@ class ParallelStrategy(Strategy):
         if not self._active():
             return obj
         if isinstance(obj, torch.Tensor):
-            out = obj.clone()
+            out = whole(obj).clone()
             with self._collective(f"broadcast(src={src})"):
                 dist.broadcast(out, src=src)
             return out

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchrig.dtensors import local_tensors
+
 
 class ItemWindow:
     """The token-weighted gradient of one optimizer step (``training_step`` returned
@@ -22,10 +24,12 @@ class ItemWindow:
     on the host, tensors on their device: no host sync). Right after the window's last forward the
     count is summed over the processes in one asynchronous all-reduce, which runs during the last
     backward. Then every gradient is multiplied by ``world_size / total`` in place (one
-    ``torch._foreach_mul_`` per device), before clipping and the GradScaler's unscale. DDP and
-    FSDP2 average the gradients over the data-parallel processes, hence ``world_size``; summing
-    the counts over every process counts a tensor-parallel group's shared batch once per member,
-    which the same factor cancels. A window whose count is 0 on every process gets zero gradients.
+    ``torch._foreach_mul_`` per device, over the local shards of DTensor gradients, so tensor
+    parallel's split and unsplit parameters scale together), before clipping and the
+    GradScaler's unscale. DDP and FSDP2 average the gradients over the data-parallel processes,
+    hence ``world_size``; summing the counts over every process counts a tensor-parallel group's
+    shared batch once per member, which the same factor cancels. A window whose count is 0 on
+    every process gets zero gradients.
     """
 
     __slots__ = ("dev", "device", "host", "open", "optimizers", "plain_at", "start", "total", "work", "world")
@@ -107,6 +111,10 @@ class ItemWindow:
         grads = [p.grad for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return
+        # Tensor parallel leaves the parameters outside its plan (norms) plain tensors, which one
+        # foreach call cannot mix with DTensors: each rank scales its own shards by the same factor,
+        # which scales every placement (sharded, replicated, partial) alike.
+        grads = local_tensors(grads)
         devices = {g.device for g in grads}
         if len(devices) == 1:
             torch._foreach_mul_(grads, _on(scale, devices.pop()))

@@ -126,9 +126,14 @@ def main() -> None:
         strategy = torchrig.FSDPStrategy(auto_wrap_policy={Block})
     rig = torchrig.Rig(accelerator="cpu", devices=args.devices, strategy=strategy)
     state, report = train(rig, steps=args.steps, empty_init=args.empty_init, load=args.load, save=args.save)
+    write_result(rig, args.out, state, report)
+
+
+def write_result(rig: torchrig.Rig, out: str, state: dict[str, torch.Tensor], report: dict[str, Any]) -> None:
+    """Rank 0 writes the weights to ``out`` and the report to ``out.json``; every rank waits for it."""
     if rig.is_global_zero:
-        torch.save(state, args.out)
-        Path(args.out + ".json").write_text(json.dumps(report))
+        torch.save(state, out)
+        Path(out + ".json").write_text(json.dumps(report))
     rig.barrier()
 
 

@@ -179,8 +179,10 @@ def main() -> None:
         state = rig_fit(rig, accumulate=args.accumulate, max_steps=args.max_steps)
     else:
         strategy: Any = args.strategy
-        if strategy == "tp":  # 2 tensor-parallel processes, 1 data-parallel: both see every batch
+        if strategy.startswith("tp"):  # 2 tensor-parallel processes, 1 data-parallel: both see every batch
             plan = {"net.body.0": "colwise", "net.head": "rowwise"}
+            if strategy == "tp_partial":  # the head outside the plan: its gradients are plain tensors
+                plan = {"net.body.0": "colwise_rep"}
             strategy = torchrig.ModelParallelStrategy(tensor_parallel=args.devices, tp_plan=plan)
         state, trainer = fit(
             mode=args.mode,
