@@ -134,9 +134,20 @@ def test_every_rig_trainer_and_torchrig_name_in_the_tables_exists() -> None:
     missing = next(row for row in table_rows() if row.startswith("| `Trainer(min_epochs="))
     for name in re.findall(r"(\w+)=", missing.split(" | ")[0]):
         assert name not in args, f"the guide says Trainer has no {name}=, but it has"
-    hooks = next(row for row in table_rows() if row.startswith("| hooks `setup`"))
-    for name in re.findall(r"`(\w+)`", hooks.split(" | ")[0]):
-        assert callable(getattr(torchrig.TrainingModule, name, None)), name
     events = next(row for row in table_rows() if row.startswith("| `Callback` |"))
     for name in re.findall(r"`(\w+)`", events.split(" | ")[2]):
         assert callable(getattr(Callback, name, None)), name
+
+
+def test_the_hook_table_names_every_lightning_hook_and_torchrig_has_each() -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from torchrig import Callback, TrainingModule
+
+    table = DOC[DOC.index("| Lightning 2.6 (in the order of a fit) |") : DOC.index("### Fabric")]
+    named = set(re.findall(r"`(?:Callback\.)?(\w+)", table))
+    lightning = {n for n in dir(pl.LightningModule) if n.startswith("on_") and n != "on_gpu"}
+    lightning |= {"prepare_data", "setup", "configure_model", "teardown", "transfer_batch_to_device"}
+    lightning |= {n for n in dir(pl.Callback) if n.startswith("on_")}
+    assert lightning - named == set()  # the table is complete
+    for name in lightning:
+        assert callable(getattr(TrainingModule, name, None)) or callable(getattr(Callback, name, None)), name

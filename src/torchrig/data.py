@@ -154,6 +154,9 @@ class RigDataLoader:
         #: Called with this loader each time it yields a batch, before the batch is handed out
         #: (the Rig that prepared the loader records it as its ``current_loader``).
         self.on_batch = on_batch
+        #: False: yield the batches where the DataLoader made them (the Trainer's module moves
+        #: them itself, in its ``transfer_batch_to_device`` hook).
+        self.move_batches = True
         self._resume_at: tuple[int, int] | None = None
 
     def __len__(self) -> int:
@@ -197,7 +200,8 @@ class RigDataLoader:
             for _ in range(skip):  # a loader we could not rebuild: skip by reading
                 next(it)
                 self.batches_seen += 1
-            move = device.type != "cpu"  # a DataLoader makes its batches on the CPU: nothing to move there
+            # A DataLoader makes its batches on the CPU: nothing to move there.
+            move = self.move_batches and device.type != "cpu"
             on_batch = self.on_batch
             for batch in it:
                 self.batches_seen += 1

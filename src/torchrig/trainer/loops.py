@@ -12,18 +12,18 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from functools import partial
+from typing import Any, NoReturn
 
 import torch
 
 from torchrig.preemption import Preempted
+from torchrig.trainer.callbacks import TRANSFER_HOOKS, overrides
 from torchrig.trainer.items import ItemWindow
 from torchrig.trainer.metrics import MetricStore, to_floats
+from torchrig.trainer.module import TrainingModule
 from torchrig.trainer.profiler import BACKWARD, DATA, LOGGING, OPTIMIZER, STEP, VALIDATION
 from torchrig.trainer.run import RunState
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass
@@ -130,8 +130,16 @@ class Run(RunState):
         self.check_manual_optimization()
         if not self.resumed and tr.num_sanity_val_steps != 0 and self.has_validation():
             limit = math.inf if tr.num_sanity_val_steps == -1 else tr.num_sanity_val_steps
-            self.evaluate("sanity_check", limit_override=limit)
-        self.call_module("on_train_start")
+            self.sanity_checking = True
+            try:
+                self.emit("on_sanity_check_start")
+                self.evaluate("sanity_check", limit_override=limit)
+                self.emit("on_sanity_check_end")
+            finally:
+                self.sanity_checking = False
+        if not self.require_module().automatic_optimization:
+            self.hook_manual_steps()
+        self.emit("on_train_start")
         self.started_at = time.monotonic()
         self.sparse_due = 0.0  # the sparse batch-end hooks see the first batch
         if state.epoch_finished:
@@ -151,7 +159,7 @@ class Run(RunState):
         finally:  # also when the fit stops on an error or a signal: the profiler reports what it saw
             if profiler is not None:
                 profiler.stop(tr)
-        self.call_module("on_train_end")
+        self.emit("on_train_end")
 
     def fit_done(self) -> bool:
         tr = self.trainer
@@ -166,9 +174,8 @@ class Run(RunState):
         n = tr.num_training_batches
         if state.batch_idx == 0 and not state.val_pending:
             self.train_metrics.reset()
-            self.call_module("on_train_epoch_start")
-            self.call_callbacks("on_train_epoch_start")
-        elif state.val_pending:  # resumed right after a batch whose validation did not run yet
+        self.emit("on_train_epoch_start")  # also for the epoch a fit resumes into, as Lightning
+        if state.val_pending:  # resumed right after a batch whose validation did not run yet
             self.validate_in_fit()
         if state.batch_idx < n and not tr.should_stop:
             if state.batch_idx == 0:
@@ -221,19 +228,21 @@ class Run(RunState):
         always for the last batch the loop runs.
         """
         tr = self.trainer
-        state, module = tr.fit_state, self.require_module()
-        batch_end = self.hooks("on_train_batch_end")
+        state = tr.fit_state
+        batch_start, batch_end = self.hooks("on_train_batch_start"), self.hooks("on_train_batch_end")
         sparse, interval = self.sparse_batch_end()
         clock, timed, val_at_last = time.perf_counter, tr.max_time is not None, isinstance(tr.val_check_interval, float)
         poll, stop = self.signals.poll, 0
-        for batch in batches:
+        for batch in self.transferred(batches, 0):
             is_last = batch_idx + 1 >= n
+            for hook in batch_start:
+                hook(batch, batch_idx)
             output = one_batch(batch, batch_idx, is_last)
             state.batch_idx = batch_idx + 1
             if validate_epoch:
                 state.val_pending = state.batch_idx % val_every == 0 or (is_last and val_at_last)
             for hook in batch_end:
-                hook(tr, module, output, batch, batch_idx)
+                hook(output, batch, batch_idx)
             if state.val_pending:
                 validate()
             if timed and self.time_is_up():
@@ -244,7 +253,7 @@ class Run(RunState):
             final = is_last or tr.should_stop or stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
             if sparse and (final or clock() >= due):  # after this batch's validation, if any
                 for hook in sparse:
-                    hook(tr, module, output, batch, batch_idx)
+                    hook(output, batch, batch_idx)
                 due = clock() + interval
             if final:
                 if stop:  # stop at an optimizer step, where a checkpoint is exact
@@ -278,7 +287,8 @@ class Run(RunState):
         rig, state, optimizers = tr.rig, tr.fit_state, list(tr.optimizers)
         training_step = prepared.step_caller(self.require_module().training_step)
         # Rig's public API, as a hand-written loop uses it; bound once per epoch, not per batch.
-        backward, steps, zeros = rig.backward, [o.step for o in optimizers], [o.zero_grad for o in optimizers]
+        backward, steps = rig.backward, [o.step for o in optimizers]
+        zeros: list[Callable[..., Any]] = [o.zero_grad for o in optimizers]
         clip, schedulers, log_step = self.clip_gradients, self.step_schedulers, self.log_step
         profiler = tr.profiler
         if profiler is not None:  # the same step with its callables timed (chosen once per epoch)
@@ -286,6 +296,10 @@ class Run(RunState):
             steps, zeros = [profiler.wrap(OPTIMIZER, f) for f in steps], [profiler.wrap(OPTIMIZER, f) for f in zeros]
             clip, schedulers = profiler.wrap(OPTIMIZER, clip), profiler.wrap(OPTIMIZER, schedulers)
             log_step = profiler.wrap(LOGGING, log_step)
+
+        # The step's hooks, where Lightning calls them (chosen once per epoch: none costs no call).
+        backward, zeros = self.hooked_backward(backward), self.hooked_zero_grads(optimizers, zeros)
+        before_step = [partial(h, o) for o in optimizers for h in self.hooks("on_before_optimizer_step")]
 
         # Token-weighted steps (a dict with "num_items"): the window's count and the gradient scaling.
         items = ItemWindow(rig.world_size, rig.device, optimizers)
@@ -295,6 +309,8 @@ class Run(RunState):
             accumulate = tr.accumulate_grad_batches
             if accumulate == 1:  # every batch is a boundary: no context manager, no division
                 output = training_step(batch, batch_idx)
+                for zero_grad in zeros:  # where Lightning zeroes: after the window's first training_step
+                    zero_grad()
                 if type(output) is torch.Tensor:
                     backward(output)
                 elif type(output) is dict and "num_items" in output:
@@ -308,6 +324,9 @@ class Run(RunState):
                 boundary = (batch_idx + 1) % accumulate == 0 or is_last
                 with rig.no_backward_sync(prepared, enabled=not boundary):
                     output = training_step(batch, batch_idx)
+                    if batch_idx % accumulate == 0:
+                        for zero_grad in zeros:
+                            zero_grad()
                     if type(output) is dict and "num_items" in output:
                         backward(items.add(output, batch_idx, accumulate, boundary))
                     else:
@@ -319,13 +338,13 @@ class Run(RunState):
                     return output
                 if items.open:  # also when this window's last batch returned None or a plain loss
                     finish(batch_idx)
-            # The optimizer step: clip, step and zero every optimizer, step the per-step schedulers.
+            # The optimizer step: clip and step every optimizer, step the per-step schedulers.
+            for hook in before_step:
+                hook()
             if tr.gradient_clip_val is not None:
                 clip(prepared, optimizers)
             for step in steps:
                 step()
-            for zero_grad in zeros:
-                zero_grad()
             state.global_step += 1
             if tr.lr_scheduler_configs:
                 schedulers("step", state.global_step)
@@ -359,6 +378,56 @@ class Run(RunState):
             return output
 
         return one_batch
+
+    def hooked_backward(self, backward: Callable[..., Any]) -> Callable[..., Any]:
+        """``backward`` with ``on_before_backward(loss)`` before it and ``on_after_backward()``
+        after it, when a callback or the module overrides one (else ``backward`` itself)."""
+        before, after = self.hooks("on_before_backward"), self.hooks("on_after_backward")
+        if not (before or after):
+            return backward
+
+        def hooked(loss: torch.Tensor, **kwargs: Any) -> None:
+            for hook in before:
+                hook(loss)
+            backward(loss, **kwargs)
+            for hook in after:
+                hook()
+
+        return hooked
+
+    def hooked_zero_grads(self, optimizers: list[Any], zeros: list[Callable[..., Any]]) -> list[Callable[..., Any]]:
+        """Each optimizer's ``zero_grad``, after ``on_before_zero_grad(optimizer)`` when a
+        callback or the module overrides it."""
+        before = self.hooks("on_before_zero_grad")
+        if not before:
+            return zeros
+
+        def hooked(optimizer: Any, zero_grad: Callable[[], Any]) -> Callable[[], Any]:
+            def call() -> Any:
+                for hook in before:
+                    hook(optimizer)
+                return zero_grad()
+
+            return call
+
+        return [hooked(o, z) for o, z in zip(optimizers, zeros, strict=True)]
+
+    def hook_manual_steps(self) -> None:
+        """Under manual optimization, ``optimizer.step()`` in ``training_step`` calls
+        ``on_before_optimizer_step(optimizer)`` first (as Lightning's optimizers do), when a
+        callback or the module overrides it; once per fit, on the optimizers prepared for it."""
+        before = self.hooks("on_before_optimizer_step")
+        if not before:
+            return
+        for optimizer in self.trainer.optimizers:
+            step = optimizer.step
+
+            def hooked(closure: Any = None, _opt: Any = optimizer, _step: Any = step) -> Any:
+                for hook in before:
+                    hook(_opt)
+                return _step() if closure is None else _step(closure)
+
+            optimizer.step = hooked  # type: ignore[method-assign]
 
     def check_manual_optimization(self) -> None:
         """Refuse, when a fit starts, the Trainer settings that step the optimizers for a module that
@@ -413,16 +482,14 @@ class Run(RunState):
             cfg.scheduler.step(float(metrics[cfg.monitor]))
 
     def validate_in_fit(self) -> None:
-        tr = self.trainer
         self.evaluate("validate")
-        tr.fit_state.val_pending = False
-        with self.log_into(self.eval_metrics):
-            self.call_callbacks("on_validation_end")
+        self.trainer.fit_state.val_pending = False
 
     def end_train_epoch(self) -> None:
         tr = self.trainer
-        with self.log_into(self.train_metrics):
-            self.call_module("on_train_epoch_end")
+        with self.log_into(self.train_metrics):  # the callbacks that do not read the epoch's metrics, the module
+            for hook in self.hooks("on_train_epoch_end", monitoring=False):
+                hook()
         epoch_values = self.train_metrics.epoch_values()
         self.epoch_metrics.update(epoch_values)
         logged = self.train_metrics.logger_keys(epoch_values)
@@ -431,7 +498,8 @@ class Run(RunState):
         if self.require_module().automatic_optimization:  # manual optimization steps its own schedulers
             self.step_schedulers("epoch", tr.fit_state.epoch + 1)
         tr.fit_state.epoch_finished = True
-        self.call_callbacks("on_train_epoch_end")
+        for hook in self.hooks("on_train_epoch_end", monitoring=True):  # checkpointing, early stopping
+            hook()
 
     # -- evaluation and predict ---------------------------------------------------------------
     def evaluate(self, stage: str, limit_override: float | None = None) -> list[dict[str, torch.Tensor]]:
@@ -440,25 +508,29 @@ class Run(RunState):
         prepared = self.prepared_module
         assert prepared is not None
         method = prepared.module.test_step if stage == "test" else prepared.module.validation_step
-        store, was_training = self.eval_metrics, prepared.module.training
+        hook = _HOOK_STAGE[stage]
+        store = self.eval_metrics
         store.reset()
         with self.log_into(store):
-            prepared.module.eval()
-            self.call_callbacks("on_eval_start", stage)
-            try:
-                with torch.no_grad():
-                    for idx, loader in enumerate(loaders):
-                        n = num_batches(loader, self.eval_limit(stage)) if limit_override is None else limit_override
-                        if len(loaders) > 1:  # each loader's values kept apart: name/dataloader_idx_N
-                            with self.log_into(store, suffix=f"/dataloader_idx_{idx}"):
-                                self.eval_loader(stage, method, loader, idx, n)
-                        else:
-                            self.eval_loader(stage, method, loader, None, n)
-                    if stage in ("validate", "sanity_check"):
-                        self.call_module("on_validation_epoch_end")
-            finally:
-                prepared.module.train(was_training)
-            return self.end_evaluation(stage, store, len(loaders))
+            if stage == "validate" and self.stage == "fit":
+                self.emit("on_validation_model_zero_grad")
+            self.emit(f"on_{hook}_model_eval")
+            self.emit(f"on_{hook}_start")
+            self.emit("on_eval_start", stage)
+            self.emit(f"on_{hook}_epoch_start")
+            with torch.no_grad():
+                for idx, loader in enumerate(loaders):
+                    n = num_batches(loader, self.eval_limit(stage)) if limit_override is None else limit_override
+                    if len(loaders) > 1:  # each loader's values kept apart: name/dataloader_idx_N
+                        with self.log_into(store, suffix=f"/dataloader_idx_{idx}"):
+                            self.eval_loader(stage, method, loader, idx, n)
+                    else:
+                        self.eval_loader(stage, method, loader, None, n)
+                self.emit(f"on_{hook}_epoch_end")
+            results = self.end_evaluation(stage, store, len(loaders))
+            self.emit(f"on_{hook}_end")
+            self.emit(f"on_{hook}_model_train")
+            return results
 
     def end_evaluation(self, stage: str, store: MetricStore, count: int) -> list[dict[str, torch.Tensor]]:
         tr = self.trainer
@@ -471,7 +543,7 @@ class Run(RunState):
                 self.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
             elif logged:
                 self.log_to_loggers(logged)
-        self.call_callbacks("on_eval_end", stage)
+        self.emit("on_eval_end", stage)
         return results
 
     def eval_loader(self, stage: str, method: Any, loader: Any, idx: int | None, n: float) -> None:
@@ -480,9 +552,17 @@ class Run(RunState):
         if n <= 0:
             return
         call, with_idx = prepared.step_caller(method), idx is not None and _takes_loader_index(method)
-        for batch_idx, batch in enumerate(loader):
+        hook = _HOOK_STAGE[stage]
+        start, end = self.hooks(f"on_{hook}_batch_start"), self.hooks(f"on_{hook}_batch_end")
+        eval_end, extra = self.hooks("on_eval_batch_end"), () if idx is None else (idx,)
+        for batch_idx, batch in enumerate(self.transferred(loader, idx or 0)):
+            for hook_fn in start:
+                hook_fn(batch, batch_idx, *extra)
             output = call(batch, batch_idx, idx) if with_idx else call(batch, batch_idx)
-            self.call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
+            for hook_fn in end:
+                hook_fn(output, batch, batch_idx, *extra)
+            for hook_fn in eval_end:
+                hook_fn(stage, output, batch, batch_idx)
             if batch_idx + 1 >= n:
                 break
 
@@ -496,24 +576,55 @@ class Run(RunState):
         prepared = self.prepared_module
         assert prepared is not None
         loaders = self.eval_loaders["predict"]
-        prepared.module.eval()
-        self.call_callbacks("on_eval_start", "predict")
+        self.emit("on_predict_model_eval")
+        self.emit("on_predict_start")
+        self.emit("on_eval_start", "predict")
+        self.emit("on_predict_epoch_start")
+        start, end = self.hooks("on_predict_batch_start"), self.hooks("on_predict_batch_end")
+        eval_end = self.hooks("on_eval_batch_end")
         results: list[Any] = []
         with torch.no_grad():
-            for loader in loaders:
+            for idx, loader in enumerate(loaders):
                 n = num_batches(loader, tr.limit_predict_batches)
                 outputs: list[Any] = []
                 predict_step = prepared.step_caller(prepared.module.predict_step)
-                for batch_idx, batch in enumerate(loader):
+                extra = (idx,) if len(loaders) > 1 else ()
+                for batch_idx, batch in enumerate(self.transferred(loader, idx)):
                     if batch_idx >= n:
                         break
+                    for hook in start:
+                        hook(batch, batch_idx, *extra)
                     out = predict_step(batch, batch_idx)
-                    self.call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
+                    for hook in end:
+                        hook(out, batch, batch_idx, *extra)
+                    for hook in eval_end:
+                        hook("predict", out, batch, batch_idx)
                     # In dataset order, each sample once (the sampler's padding dropped); free in one process.
                     outputs.append(tr.rig.gather_for_metrics(out))
                 results.append(outputs)
-        self.call_callbacks("on_eval_end", "predict")
+        self.emit("on_predict_epoch_end")
+        self.emit("on_predict_end")
+        self.emit("on_eval_end", "predict")
         return results[0] if len(results) == 1 else results
+
+    def transferred(self, batches: Any, dataloader_idx: int) -> Any:
+        """``batches`` through the module's batch-transfer hooks, when it overrides one of them:
+        ``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer``
+        (the loader then leaves its batches where they are); else ``batches`` themselves."""
+        module = self.require_module()
+        if not any(overrides(module, TrainingModule, name) for name in TRANSFER_HOOKS):
+            return batches
+        return _transfer(batches, module, self.trainer.rig.device, dataloader_idx)
+
+
+#: Which Lightning hooks (``on_<this>_start``...) an evaluation stage calls.
+_HOOK_STAGE = {"sanity_check": "validation", "validate": "validation", "test": "test", "predict": "predict"}
+
+
+def _transfer(batches: Any, module: TrainingModule, device: torch.device, dataloader_idx: int) -> Iterator[Any]:
+    before, move, after = (getattr(module, name) for name in TRANSFER_HOOKS)
+    for batch in batches:
+        yield after(move(before(batch, dataloader_idx), device, dataloader_idx), dataloader_idx)
 
 
 def stop_at_step(signum: int) -> NoReturn:

@@ -1,22 +1,8 @@
 """``TrainingModule``: an ``nn.Module`` that also says how to train, evaluate and predict.
 
-Hooks, in the order a ``fit`` calls them (the module's hook runs first, then the callbacks'
-event of the same moment, see :mod:`torchrig.trainer.callbacks`):
-
-| hook                          | when                                                         |
-|-------------------------------|--------------------------------------------------------------|
-| ``setup(stage)``              | first, in every process; ``stage`` is fit/validate/test/predict |
-| ``configure_optimizers()``    | after the module is on its device (fit only)                 |
-| ``on_train_start()``          | after the sanity validation, before the first epoch          |
-| ``on_train_epoch_start()``    | before the first batch of each epoch                         |
-| ``training_step(batch, i)``   | each batch: return the loss (or a dict with ``"loss"``)      |
-| ``validation_step(batch, i)`` | each validation batch (also during the sanity check)         |
-| ``on_validation_epoch_end()`` | after the last validation batch, before metrics are reduced  |
-| ``on_train_epoch_end()``      | after the last batch (and its validation) of each epoch      |
-| ``on_train_end()``            | after the last epoch                                         |
-| ``test_step(batch, i)``       | each batch of ``Trainer.test``                               |
-| ``predict_step(batch, i)``    | each batch of ``Trainer.predict`` (default: ``self(batch)``) |
-| ``teardown(stage)``           | last, also when the run raised                               |
+Its hooks (``on_fit_start``, ``on_train_batch_end``, ``prepare_data``...) are Lightning 2.6's,
+with Lightning's names, arguments and order: :class:`~torchrig.trainer.hooks.ModelHooks`; the
+table of when each runs is in docs/migrating.md.
 """
 
 from __future__ import annotations
@@ -33,6 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from torchrig import arguments
+from torchrig.trainer.hooks import ModelHooks
 from torchrig.trainer.metrics import LogOptions
 
 if TYPE_CHECKING:
@@ -45,7 +32,7 @@ _M = TypeVar("_M", bound="TrainingModule")
 _OPTIONS: dict[tuple[Any, ...], LogOptions] = {}
 
 
-class TrainingModule(nn.Module):
+class TrainingModule(nn.Module, ModelHooks):
     """Subclass it, define ``training_step`` and ``configure_optimizers``, hand it to a Trainer.
 
     Example:
@@ -176,21 +163,6 @@ class TrainingModule(nn.Module):
         """
         raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers() to be fitted")
 
-    # -- hooks (do nothing by default) -------------------------------------------------------
-    def setup(self, stage: str) -> None: ...
-
-    def teardown(self, stage: str) -> None: ...
-
-    def on_train_start(self) -> None: ...
-
-    def on_train_end(self) -> None: ...
-
-    def on_train_epoch_start(self) -> None: ...
-
-    def on_train_epoch_end(self) -> None: ...
-
-    def on_validation_epoch_end(self) -> None: ...
-
     # -- manual optimization (automatic_optimization = False) --------------------------------
     def optimizers(self) -> Any:
         """The optimizers of ``configure_optimizers()`` as prepared for this run (they step through
@@ -222,7 +194,9 @@ class TrainingModule(nn.Module):
         prepared = trainer.run.prepared_module
         if prepared is not None and not trainer.run.skip_backward_sync:
             trainer.rig.strategy.prepare_for_backward(prepared._forward_module, loss)
+        trainer.run.emit("on_before_backward", loss)
         trainer.rig.backward(loss, **kwargs)
+        trainer.run.emit("on_after_backward")
 
     def clip_gradients(
         self,

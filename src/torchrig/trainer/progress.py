@@ -63,6 +63,8 @@ class ProgressBar(Callback):
         >>> # trainer = Trainer(callbacks=[bar])
     """
 
+    monitors_epoch_metrics = True  # on_train_epoch_end after the module's, once the epoch's metrics are in
+
     def __init__(self, *, refresh_interval: float = 0.5, console: Console | None = None) -> None:
         self.refresh_interval = arguments.finite_at_least(
             "refresh_interval", refresh_interval, 0.0, hint=" (seconds; default 0.5)"

@@ -20,14 +20,15 @@ from torchrig.data import RigDataLoader
 from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, requeue_slurm_job, restart_count
 from torchrig.trainer import debugging, loops
+from torchrig.trainer.callbacks import TRANSFER_HOOKS, Callback, overrides, unknown_hooks
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
+from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.module import TrainingModule, parse_optimizers
 from torchrig.trainer.summary import summary_table
 from torchrig.wrappers import RigModule
 
 if TYPE_CHECKING:
     from torchrig.rig import Rig
-    from torchrig.trainer.datamodule import DataModule
     from torchrig.trainer.trainer import Trainer
 
 _LOADER_METHODS = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
@@ -44,19 +45,19 @@ def run_fit_stage(
     begin(tr, module, "fit")
     try:
         setup(tr, module, datamodule, "fit")
-        if train is None and datamodule is not None:
-            train = datamodule.train_dataloader()
-        if train is None:
-            raise ValueError(
-                "fit() needs training data: pass train_dataloaders= or a datamodule= with train_dataloader()"
-            )
-        if val is None and datamodule is not None:
-            val = datamodule.val_dataloader()
         prepare_module(tr, module)
         optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers())
+        train = _loaders_of(module, datamodule, train, "train_dataloader")
+        if train is None:
+            raise ValueError(
+                "fit() needs training data: pass train_dataloaders=, a datamodule= with train_dataloader(), "
+                f"or define train_dataloader() on {type(module).__name__}"
+            )
+        val = _loaders_of(module, datamodule, val, "val_dataloader")
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
-        tr.run.train_loader = _prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")
+        train_loader = _prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")
+        tr.run.train_loader = _moves_batches(tr, [train_loader])[0]
         tr.run.check_training_batches()
         _warn_if_steps_are_not_logged(tr)
         tr.run.eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
@@ -73,7 +74,7 @@ def run_fit_stage(
                 lg.log_hyperparams(dict(hparams))
         if tr.enable_model_summary and tr.is_global_zero:  # after a resume's message, as prepared for the run
             tr.rig.print(summary_table(module, tr.rig.precision.name), end="")
-        tr.run.call_callbacks("on_fit_start")
+        tr.run.emit("on_fit_start")
         # Installed until the fit ends, or until the save of a stop is done (in _on_error).
         tr.run.signals = SignalWatch(tr.rig.strategy, tr.stop_signals).install()
         with debugging.anomaly_detection(tr):
@@ -82,7 +83,7 @@ def run_fit_stage(
             if found:
                 loops.stop_at_step(found)
         tr.run.signals.restore()
-        tr.run.call_callbacks("on_fit_end")
+        tr.run.emit("on_fit_end")
         _finalize_loggers(tr, "success")
     except BaseException as exc:
         _on_error(tr, exc)
@@ -106,13 +107,13 @@ def run_eval_stage(
     begin(tr, module, stage)
     try:
         setup(tr, module, datamodule, stage)
-        if loaders is None and datamodule is not None:
-            loaders = getattr(datamodule, _LOADER_METHODS[stage])()
+        prepared = prepare_module(tr, module)
+        loaders = _loaders_of(module, datamodule, loaders, _LOADER_METHODS[stage])
         if loaders is None:
             raise ValueError(
-                f"{stage}() needs data: pass dataloaders= or a datamodule= with {_LOADER_METHODS[stage]}()"
+                f"{stage}() needs data: pass dataloaders=, a datamodule= with {_LOADER_METHODS[stage]}(), "
+                f"or define {_LOADER_METHODS[stage]}() on {type(module).__name__}"
             )
-        prepared = prepare_module(tr, module)
         tr.run.eval_loaders[stage] = _prepare_loaders(tr, loaders, "dataloaders")
         if ckpt_path is not None:
             path = _resolve_path(tr, ckpt_path)
@@ -197,6 +198,9 @@ def begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
     tr.module, tr.run.stage, tr.interrupted = module, stage, False
     tr.run.refresh_hooks()
     module._trainer = tr
+    for owner, base in [(module, TrainingModule), *((cb, Callback) for cb in tr.callbacks)]:
+        for line in unknown_hooks(owner, base):
+            warnings.warn(line, stacklevel=4)
     if tr.seed is not None:
         tr.rig.seed_everything(tr.seed)
     if tr.deterministic is not None:
@@ -206,16 +210,40 @@ def begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
 
 
 def setup(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
+    """``prepare_data`` (local rank 0 of each machine; the others wait), then ``setup(stage)``
+    (the datamodule's, the callbacks', the module's), then ``configure_model`` inside
+    ``rig.init_module()``, as Lightning orders them."""
+    owners = [(datamodule, DataModule), (module, TrainingModule)]
+    preparing = [x.prepare_data for x, base in owners if x is not None and overrides(x, base, "prepare_data")]
+    if preparing:
+        if tr.rig.local_rank == 0:
+            for prepare in preparing:
+                prepare()
+        tr.rig.barrier("prepare_data")
     if datamodule is not None:
         datamodule.setup(stage)
-    module.setup(stage)
+    tr.run.emit("setup", stage)
+    if overrides(module, TrainingModule, "configure_model"):
+        with tr.rig.init_module():
+            module.configure_model()
 
 
 def teardown(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
-    module.teardown(stage)
+    tr.run.emit("teardown", stage)
     if datamodule is not None:
         datamodule.teardown(stage)
     tr.run.stage = None
+
+
+def _loaders_of(module: TrainingModule, datamodule: DataModule | None, given: Any, method: str) -> Any:
+    """The loaders a stage uses: those given; else the datamodule's ``method()``; else the
+    module's own ``method()`` (``train_dataloader``...), when it defines one, as in Lightning."""
+    if given is not None:
+        return given
+    if datamodule is not None:
+        return getattr(datamodule, method)()
+    own = getattr(module, method, None)
+    return own() if callable(own) else None
 
 
 def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
@@ -236,7 +264,7 @@ def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
             requeued = stop.signum == tr.requeue_signal and _requeue(tr)
             exc = stop = Preempted(stop.signum, requeued=requeued, saved=None if saved is None else str(saved))
         if tr.module is not None:
-            tr.run.call_callbacks("on_exception", exc)
+            tr.run.emit("on_exception", exc)
     finally:
         _finalize_loggers(tr, "interrupted" if interrupted else "failed")
         if interrupted:
@@ -305,11 +333,22 @@ def _prepare_loader(tr: Trainer, loader: Any, what: str) -> Any:
     return prepared
 
 
+def _moves_batches(tr: Trainer, loaders: list[Any]) -> list[Any]:
+    """``loaders``, each told whether it moves its batches to the device itself: not when the
+    module does in its batch-transfer hooks (:meth:`~torchrig.trainer.loops.Run.transferred`)."""
+    module = tr.run.require_module()
+    own = any(overrides(module, TrainingModule, name) for name in TRANSFER_HOOKS)
+    for loader in loaders:
+        if isinstance(loader, RigDataLoader):
+            loader.move_batches = not own
+    return loaders
+
+
 def _prepare_loaders(tr: Trainer, loaders: Any, what: str) -> list[Any]:
     if loaders is None:
         return []
     items = list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
-    return [_prepare_loader(tr, d, what) for d in items]
+    return _moves_batches(tr, [_prepare_loader(tr, d, what) for d in items])
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -392,8 +431,7 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     for cb in tr.callbacks:
         if cb.state_key in saved:
             cb.load_state_dict(saved[cb.state_key])
-    for cb in tr.callbacks:
-        cb.on_load_checkpoint(tr, tr.run.require_module(), left.get("callback_extras", {}))
+    tr.run.emit("on_load_checkpoint", left.get("callback_extras", {}))
     tr.run.resumed = True
 
 

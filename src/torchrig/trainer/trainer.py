@@ -209,6 +209,11 @@ class Trainer:
         return self.fit_state.global_step
 
     @property
+    def sanity_checking(self) -> bool:
+        """Whether the fit's sanity check (validation batches before training) is running."""
+        return self.run.sanity_checking
+
+    @property
     def is_global_zero(self) -> bool:
         return self.rig.is_global_zero
 
@@ -358,8 +363,7 @@ class Trainer:
         if hparams:  # plain data (save_hyperparameters checked it): load_from_checkpoint builds the module from it
             state["hparams"] = dict(hparams)
         extra: dict[str, Any] = {}
-        for cb in self.callbacks:
-            cb.on_save_checkpoint(self, self.run.require_module(), extra)
+        self.run.emit("on_save_checkpoint", extra)
         if extra:
             state["callback_extras"] = extra
         saved = self.rig.save(path, state, link=link, blocking=blocking)
