@@ -312,6 +312,20 @@ def active_hooks(callbacks: Sequence[Callback], event: str) -> list[Callable[...
     return [getattr(cb, event) for cb in callbacks if _schedule(cb, event) is EVERY_TIME]
 
 
+def merge_callbacks(given: list[Callback], extra: Any) -> list[Callback]:
+    """The callbacks of a run: the Trainer's (``given``) and what the module's
+    ``configure_callbacks()`` returned (``extra``: a callback or a list), which replace the
+    Trainer's of the same type, as in Lightning."""
+    added = [extra] if isinstance(extra, Callback) else list(extra or [])
+    for cb in added:
+        if not isinstance(cb, Callback):
+            raise TypeError(
+                f"configure_callbacks() returned {type(cb).__name__}; return a torchrig.Callback or a list of them"
+            )
+    types = {type(cb) for cb in added}
+    return [cb for cb in given if type(cb) not in types] + added
+
+
 def overrides(obj: Any, base: type, name: str) -> bool:
     """Whether ``obj`` overrides ``base``'s method ``name`` (on its class or the instance)."""
     default = getattr(base, name)

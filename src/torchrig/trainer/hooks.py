@@ -151,6 +151,47 @@ class ModelHooks:
         """The batch on the device; return it (changed or not)."""
         return batch
 
+    # -- what a step does (the overrides Lightning users write) -----------------------------
+    def configure_callbacks(self) -> Any:
+        """Callbacks this module brings (a callback or a list), added to the Trainer's for each
+        run; one of the same type as a Trainer callback replaces it."""
+        return []
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """The backward of ``loss`` (already scaled under ``16-mixed``); by default ``loss.backward()``."""
+        loss.backward(*args, **kwargs)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Zero ``optimizer``'s gradients; by default ``optimizer.zero_grad()`` (to None)."""
+        optimizer.zero_grad()
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer, optimizer_closure: Any = None
+    ) -> None:
+        """Step ``optimizer``; by default ``optimizer.step(closure=optimizer_closure)``.
+
+        torchrig has run the batch's forward and backward already: ``optimizer_closure()``
+        returns that loss without computing it again (optimizers that call the closure several
+        times per step, such as LBFGS, are not supported), and may be left out."""
+        optimizer.step(closure=optimizer_closure)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Step ``scheduler`` (at its ``interval``/``frequency``); ``metric`` is the monitored value
+        or None. Override it to use a scheduler that is not torch's (timm's ``CosineLRScheduler``:
+        ``scheduler.step(epoch=self.trainer.current_epoch)``)."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        """Clip before each optimizer step; by default ``self.clip_gradients(optimizer,
+        gradient_clip_val, gradient_clip_algorithm)`` with the Trainer's settings."""
+        clip = getattr(self, "clip_gradients")  # noqa: B009 (TrainingModule's)
+        clip(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm or "norm")
+
     # -- checkpoints --------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint is being written: add plain entries of yours to ``checkpoint``."""

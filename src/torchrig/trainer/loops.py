@@ -50,9 +50,12 @@ def loss_of(output: Any) -> torch.Tensor | None:
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
+    loss = getattr(output, "loss", None)  # a dataclass, a ModelOutput: any object with a loss tensor
+    if isinstance(loss, torch.Tensor):
+        return loss
     raise TypeError(
         f"training_step returned {type(output).__name__}; return the loss tensor, a dict with a 'loss' "
-        "tensor, or None to skip the batch"
+        "tensor, an object with a 'loss' tensor attribute (a dataclass), or None to skip the batch"
     )
 
 
@@ -297,7 +300,9 @@ class Run(RunState):
             clip, schedulers = profiler.wrap(OPTIMIZER, clip), profiler.wrap(OPTIMIZER, schedulers)
             log_step = profiler.wrap(LOGGING, log_step)
 
-        # The step's hooks, where Lightning calls them (chosen once per epoch: none costs no call).
+        # The module's overrides and the step's hooks, where Lightning calls them (chosen once per
+        # epoch: what nobody overrides costs no call).
+        backward, steps, zeros, clip, clips_always = self.overridden_step(optimizers, backward, steps, zeros, clip)
         backward, zeros = self.hooked_backward(backward), self.hooked_zero_grads(optimizers, zeros)
         before_step = [partial(h, o) for o in optimizers for h in self.hooks("on_before_optimizer_step")]
 
@@ -341,7 +346,7 @@ class Run(RunState):
             # The optimizer step: clip and step every optimizer, step the per-step schedulers.
             for hook in before_step:
                 hook()
-            if tr.gradient_clip_val is not None:
+            if clips_always or tr.gradient_clip_val is not None:
                 clip(prepared, optimizers)
             for step in steps:
                 step()
@@ -378,6 +383,45 @@ class Run(RunState):
             return output
 
         return one_batch
+
+    def overridden_step(
+        self,
+        optimizers: list[Any],
+        backward: Callable[..., Any],
+        steps: list[Callable[..., Any]],
+        zeros: list[Callable[..., Any]],
+        clip: Callable[..., Any],
+    ) -> tuple[Callable[..., Any], list[Callable[..., Any]], list[Callable[..., Any]], Callable[..., Any], bool]:
+        """``backward``, the optimizers' steps and zero_grads and the clipping, each replaced by
+        the module's override when it has one (``backward``, ``optimizer_step``,
+        ``optimizer_zero_grad``, ``configure_gradient_clipping``), and whether clipping runs at
+        every step (it does when overridden, as in Lightning)."""
+        tr, module = self.trainer, self.require_module()
+        state, precision = tr.fit_state, tr.rig.precision
+
+        def own(name: str) -> bool:
+            return overrides(module, TrainingModule, name)
+
+        if own("backward"):
+
+            def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+                module.backward(precision.scaled(loss), **kwargs)
+
+        def closure() -> None:
+            """What torchrig passes as ``optimizer_closure``: the batch's forward and backward ran already."""
+
+        if own("optimizer_step"):
+            steps = [partial(_stepper, module, state, o, closure) for o in optimizers]
+        if own("optimizer_zero_grad"):
+            zeros = [partial(_zeroer, module, state, o) for o in optimizers]
+        if not own("configure_gradient_clipping"):
+            return backward, steps, zeros, clip, False
+
+        def configured_clip(prepared: Any, opts: list[Any]) -> None:
+            for opt in opts:
+                module.configure_gradient_clipping(opt, tr.gradient_clip_val, tr.gradient_clip_algorithm)
+
+        return backward, steps, zeros, configured_clip, True
 
     def hooked_backward(self, backward: Callable[..., Any]) -> Callable[..., Any]:
         """``backward`` with ``on_before_backward(loss)`` before it and ``on_after_backward()``
@@ -470,16 +514,16 @@ class Run(RunState):
         for cfg in tr.lr_scheduler_configs:
             if cfg.interval != interval or count % cfg.frequency:
                 continue
-            if cfg.monitor is None:
-                cfg.scheduler.step()
-                continue
-            metrics = tr.callback_metrics
-            if cfg.monitor not in metrics:
-                raise ValueError(
-                    f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
-                    f"logged: {sorted(metrics) or 'none'}"
-                )
-            cfg.scheduler.step(float(metrics[cfg.monitor]))
+            metric = None
+            if cfg.monitor is not None:
+                metrics = tr.callback_metrics
+                if cfg.monitor not in metrics:
+                    raise ValueError(
+                        f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
+                        f"logged: {sorted(metrics) or 'none'}"
+                    )
+                metric = float(metrics[cfg.monitor])
+            self.require_module().lr_scheduler_step(cfg.scheduler, metric)  # default: scheduler.step([metric])
 
     def validate_in_fit(self) -> None:
         self.evaluate("validate")
@@ -625,6 +669,14 @@ def _transfer(batches: Any, module: TrainingModule, device: torch.device, datalo
     before, move, after = (getattr(module, name) for name in TRANSFER_HOOKS)
     for batch in batches:
         yield after(move(before(batch, dataloader_idx), device, dataloader_idx), dataloader_idx)
+
+
+def _stepper(module: TrainingModule, state: FitState, optimizer: Any, closure: Callable[[], None]) -> None:
+    module.optimizer_step(state.epoch, state.batch_idx, optimizer, closure)
+
+
+def _zeroer(module: TrainingModule, state: FitState, optimizer: Any) -> None:
+    module.optimizer_zero_grad(state.epoch, state.batch_idx, optimizer)
 
 
 def stop_at_step(signum: int) -> NoReturn:

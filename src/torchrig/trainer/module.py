@@ -305,8 +305,13 @@ class SchedulerConfig:
     monitor: str | None = None
 
 
-def parse_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
-    """The optimizers and schedulers of what ``configure_optimizers()`` returned."""
+def parse_optimizers(
+    config: Any, steps_schedulers: bool = False
+) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """The optimizers and schedulers of what ``configure_optimizers()`` returned.
+
+    ``steps_schedulers``: the module overrides ``lr_scheduler_step``, so a scheduler need not be
+    torch's (timm's, for one)."""
     if isinstance(config, torch.optim.Optimizer):
         return [config], []
     if isinstance(config, Mapping):
@@ -317,10 +322,11 @@ def parse_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
                 "it must hold a torch.optim.Optimizer under 'optimizer'"
             )
         sched = config.get("lr_scheduler")
-        return [optimizer], ([] if sched is None else [_scheduler_config(sched)])
+        return [optimizer], ([] if sched is None else [_scheduler_config(sched, steps_schedulers)])
     if isinstance(config, (list, tuple)):
         if len(config) == 2 and isinstance(config[0], (list, tuple)) and isinstance(config[1], (list, tuple)):
-            optimizers, schedulers = parse_optimizers(list(config[0]))[0], [_scheduler_config(s) for s in config[1]]
+            optimizers = parse_optimizers(list(config[0]))[0]
+            schedulers = [_scheduler_config(s, steps_schedulers) for s in config[1]]
             return optimizers, schedulers
         if config and all(isinstance(o, torch.optim.Optimizer) for o in config):
             return list(config), []
@@ -330,7 +336,7 @@ def parse_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
     )
 
 
-def _scheduler_config(sched: Any) -> SchedulerConfig:
+def _scheduler_config(sched: Any, steps_schedulers: bool) -> SchedulerConfig:
     if isinstance(sched, Mapping):
         cfg = SchedulerConfig(
             scheduler=sched.get("scheduler"),
@@ -340,10 +346,11 @@ def _scheduler_config(sched: Any) -> SchedulerConfig:
         )
     else:
         cfg = SchedulerConfig(scheduler=sched)
-    if not isinstance(cfg.scheduler, (LRScheduler, ReduceLROnPlateau)):
+    if not steps_schedulers and not isinstance(cfg.scheduler, (LRScheduler, ReduceLROnPlateau)):
         raise TypeError(
             f"lr_scheduler {type(cfg.scheduler).__name__} is not a torch LR scheduler; "
-            "give a torch.optim.lr_scheduler object (or {'scheduler': it, 'interval': 'step'})"
+            "give a torch.optim.lr_scheduler object (or {'scheduler': it, 'interval': 'step'}), or define "
+            "lr_scheduler_step(self, scheduler, metric) on the module to step it yourself (timm's schedulers)"
         )
     if cfg.interval not in ("step", "epoch"):
         raise ValueError(f"lr_scheduler interval={cfg.interval!r}; use 'step' or 'epoch'")

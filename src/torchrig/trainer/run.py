@@ -60,6 +60,8 @@ class RunState:
         self.logged: dict[str, Any] = {}
         self.stage: str | None = None
         self.sanity_checking = False  # the fit's sanity check is running
+        self.given_callbacks: list[Any] | None = None  # the Trainer's callbacks, once a module added its own
+        self.compiled: torch.nn.Module | None = None  # torch.compile(module) as given to this run, if so
         self.resumed = False
         self.resumed_from: Path | None = None  # the checkpoint this fit resumed from (resolved)
         self.checkpoint_dir: Path | None = None  # the default checkpoint folder, once chosen

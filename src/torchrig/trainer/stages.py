@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch.utils.data import DataLoader
 
+from torchrig import speedups
 from torchrig.data import RigDataLoader
 from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, requeue_slurm_job, restart_count
 from torchrig.trainer import debugging, loops
-from torchrig.trainer.callbacks import TRANSFER_HOOKS, Callback, overrides, unknown_hooks
+from torchrig.trainer.callbacks import TRANSFER_HOOKS, Callback, merge_callbacks, overrides, unknown_hooks
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
 from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.module import TrainingModule, parse_optimizers
@@ -42,11 +43,12 @@ def run_fit_stage(
     datamodule: DataModule | None,
     ckpt_path: str | os.PathLike[str] | None,
 ) -> None:
-    begin(tr, module, "fit")
+    module = begin(tr, module, "fit")
     try:
         setup(tr, module, datamodule, "fit")
         prepare_module(tr, module)
-        optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers())
+        custom = overrides(module, TrainingModule, "lr_scheduler_step")
+        optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers(), custom)
         train = _loaders_of(module, datamodule, train, "train_dataloader")
         if train is None:
             raise ValueError(
@@ -104,7 +106,7 @@ def run_eval_stage(
         module = tr.module
     if module is None:
         raise ValueError(f"{stage}() needs a module: pass one, or call fit() first")
-    begin(tr, module, stage)
+    module = begin(tr, module, stage)
     try:
         setup(tr, module, datamodule, stage)
         prepared = prepare_module(tr, module)
@@ -189,15 +191,23 @@ def _worker(rig: Rig, tr: Trainer, body: Callable[..., Any], spawned: bool, *arg
 
 
 # -- set-up and teardown ---------------------------------------------------------------------
-def begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
+def begin(tr: Trainer, given: TrainingModule, stage: str) -> TrainingModule:
+    """Start a run of ``given`` (a ``TrainingModule``, or ``torch.compile`` of one: the run's
+    module is then the one inside, prepared compiled the same way); the run's module."""
+    module, compiler = speedups.unwrap_compiled(given)
     if not isinstance(module, TrainingModule):
         raise TypeError(
             f"Trainer.{stage}() takes a torchrig.TrainingModule, got {type(module).__name__}; "
             "subclass torchrig.TrainingModule (or use torchrig.Rig with a plain nn.Module)"
         )
+    tr.run.compiled = given if compiler is not None else None
     tr.module, tr.run.stage, tr.interrupted = module, stage, False
     tr.run.refresh_hooks()
     module._trainer = tr
+    if overrides(module, TrainingModule, "configure_callbacks") or tr.run.given_callbacks is not None:
+        if tr.run.given_callbacks is None:  # the Trainer's own, kept apart from each module's
+            tr.run.given_callbacks = list(tr.callbacks)
+        tr.callbacks = merge_callbacks(tr.run.given_callbacks, module.configure_callbacks())
     for owner, base in [(module, TrainingModule), *((cb, Callback) for cb in tr.callbacks)]:
         for line in unknown_hooks(owner, base):
             warnings.warn(line, stacklevel=4)
@@ -207,6 +217,7 @@ def begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
         if tr.deterministic and tr.rig.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
         torch.use_deterministic_algorithms(bool(tr.deterministic), warn_only=tr.deterministic == "warn")
+    return module
 
 
 def setup(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
@@ -314,7 +325,8 @@ def _warn_if_steps_are_not_logged(tr: Trainer) -> None:
 # -- preparing ----------------------------------------------------------------------------------
 def prepare_module(tr: Trainer, module: TrainingModule) -> RigModule:
     if tr.run.prepared_module is None or tr.run.prepared_module.module is not module:
-        tr.run.prepared_module = tr.rig.prepare(module)
+        given = module if tr.run.compiled is None else tr.run.compiled  # a compiled module: compiled again
+        tr.run.prepared_module = tr.rig.prepare(given)
     return tr.run.prepared_module
 
 
