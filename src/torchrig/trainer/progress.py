@@ -177,7 +177,9 @@ class ProgressBar(Callback):
 
     def on_fit_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if self._progress is not None:
-            self._update_train(trainer)  # the final state, whatever the rate limit skipped
+            # The final state, whatever the rate limit skipped, of the last epoch trained (the
+            # loop has counted past it by now: no new epoch to show).
+            self._update_train(trainer, new_epoch=False)
         self._stop()
 
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
@@ -263,11 +265,13 @@ class ProgressBar(Callback):
         if self._progress is not None:
             self._progress.refresh()
 
-    def _update_train(self, trainer: Trainer, metrics: dict[str, float] | None = None) -> None:
+    def _update_train(
+        self, trainer: Trainer, metrics: dict[str, float] | None = None, *, new_epoch: bool = True
+    ) -> None:
         if self._progress is not None:
             metrics = to_floats(self._train_values(trainer)) if metrics is None else metrics
             self._metrics_text = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-            if self._shown_epoch != trainer.current_epoch:  # a new epoch since the last redraw
+            if new_epoch and self._shown_epoch != trainer.current_epoch:  # a new epoch since the last redraw
                 self._show_train(trainer, refresh=False)
             else:
                 self._progress.update(self._train_task, **self._train.fields(self._metrics_text))

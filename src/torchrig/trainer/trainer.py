@@ -62,7 +62,8 @@ class Trainer:
         enable_checkpointing: add a :class:`ModelCheckpoint` unless one is given: it saves at epoch ends, at
             most once a minute, and at the end of the fit, with the ``last`` link (``ckpt_path="last"``).
         deterministic: ``torch.use_deterministic_algorithms`` (True, False, or ``"warn"``); None leaves it.
-        seed: seed Python, NumPy and torch in every process before the run.
+        seed: seed Python, NumPy and torch when the Trainer is built (so a module built after it
+            starts the same in every run) and in every process when each run starts.
         stop_signals: signals that stop a fit at the next optimizer step on every rank, save ``last``
             there and exit with status 128 + the signal's number (:class:`~torchrig.Preempted`; SIGINT
             raises ``KeyboardInterrupt``). ``"auto"``: SIGTERM and SIGINT, and SIGUSR1 under SLURM;
@@ -196,6 +197,8 @@ class Trainer:
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         #: The objects of the runs (prepared module and loaders, metric stores, hook lists, clocks).
         self.run = loops.Run(self)
+        if self.seed is not None:  # now too: a module built after the Trainer is the same in every run
+            self.rig.seed_everything(self.seed)
 
     # -- what the run is at --------------------------------------------------------------------
     @property
