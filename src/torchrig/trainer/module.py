@@ -195,7 +195,7 @@ class TrainingModule(nn.Module, ModelHooks):
         if prepared is not None and not trainer.run.skip_backward_sync:
             trainer.rig.strategy.prepare_for_backward(prepared._forward_module, loss)
         trainer.run.emit("on_before_backward", loss)
-        trainer.rig.backward(loss, **kwargs)
+        self.backward(trainer.rig.precision.scaled(loss), **kwargs)  # default: loss.backward()
         trainer.run.emit("on_after_backward")
 
     def clip_gradients(
