@@ -132,3 +132,25 @@ def test_the_modules_own_dataloaders_are_used_without_loaders_or_datamodule(tmp_
         ValueError, match=r"fit\(\) needs training data: .* or define train_dataloader\(\) on Regressor"
     ):
         trainer.fit(Regressor())
+
+
+class EpochStarts(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts: list[tuple[int, int]] = []
+
+    def on_train_epoch_start(self) -> None:
+        self.starts.append((self.trainer.current_epoch, self.trainer.fit_state.batch_idx))
+
+
+@pytest.mark.timeout(60)
+def test_on_train_epoch_start_runs_for_the_epoch_a_fit_resumes_into(tmp_path: Any) -> None:
+    every3 = torchrig.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    first = quiet_trainer(tmp_path, max_epochs=1, callbacks=[every3], enable_checkpointing=True)
+    module = EpochStarts()
+    first.fit(module, loader(16, batch_size=4))
+    saved = tmp_path / "ckpt" / "epoch=0-step=3"  # after 3 of epoch 0's 4 batches
+    resumed = EpochStarts()
+    quiet_trainer(tmp_path, max_epochs=2).fit(resumed, loader(16, batch_size=4), ckpt_path=saved)
+    assert module.starts == [(0, 0)]
+    assert resumed.starts == [(0, 3), (1, 0)]  # as Lightning: also for the epoch resumed mid-way
