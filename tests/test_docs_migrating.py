@@ -161,3 +161,17 @@ def test_every_lightning_trainer_argument_and_callback_has_a_row() -> None:
     ]
     missing = [n for n in arguments + callbacks if f"`{n}`" not in table and f"`{n}(" not in table]
     assert not missing, f"docs/migrating.md lacks rows for {missing}"
+
+
+def test_the_hook_table_names_every_lightning_hook_and_torchrig_has_each() -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from torchrig import Callback, TrainingModule
+
+    table = DOC[DOC.index("| Lightning 2.6 (in the order of a fit) |") : DOC.index("### Fabric")]
+    named = set(re.findall(r"`(?:Callback\.)?(\w+)", table))
+    lightning = {n for n in dir(pl.LightningModule) if n.startswith("on_") and n != "on_gpu"}
+    lightning |= {"prepare_data", "setup", "configure_model", "teardown", "transfer_batch_to_device"}
+    lightning |= {n for n in dir(pl.Callback) if n.startswith("on_")}
+    assert lightning - named == set()  # the table is complete
+    for name in lightning:
+        assert callable(getattr(TrainingModule, name, None)) or callable(getattr(Callback, name, None)), name

@@ -369,9 +369,11 @@ class Precision:
         ``scale``), so every optimizer of one iteration was unscaled with the scale its
         gradients were scaled with.
         """
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward(**kwargs)
+        self.scaled(loss).backward(**kwargs)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as its backward runs: multiplied by the GradScaler's scale under fp16-mixed."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the gradients of ``optimizer`` in place (once per step) before clipping."""

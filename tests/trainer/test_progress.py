@@ -243,3 +243,26 @@ def test_short_epochs_in_a_terminal_show_their_steps_metrics_and_a_line_each() -
     assert re.search(r"Epoch 1/2: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.25 acc=0\.5", finished[0])
     assert "Epoch 2/2: 4 steps in" in finished[1]
     assert "4/4" in text and "0/4" not in text
+
+
+def test_the_terminal_bars_last_frame_shows_the_last_epoch_not_one_past_it(tmp_path: Path) -> None:
+    from trainer_helpers import Regressor, loader
+
+    from torchrig.trainer.trainer import Trainer
+
+    out = io.StringIO()
+    bar = ProgressBar(refresh_interval=0.0, console=Console(file=out, force_terminal=True, width=200))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[bar],
+    )
+    trainer.fit(Regressor(), loader(8, batch_size=4))
+    text = ANSI.sub("", out.getvalue())
+    assert trainer.current_epoch == 3 and "Epoch 3/3" in text
+    assert "Epoch 4/3" not in text

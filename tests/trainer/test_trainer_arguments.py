@@ -119,3 +119,18 @@ def test_fuzz_trainer_arguments(tmp_path: Path, name: str, value: Any) -> None:
         Trainer(**kwargs)
     except (ValueError, TypeError) as err:
         assert name in str(err), f"{type(err).__name__} for {name}={value!r} does not name it: {err}"
+
+
+def test_seed_makes_a_module_built_after_the_trainer_the_same_in_every_run(tmp_path: Any) -> None:
+    from trainer_helpers import params
+
+    weights = []
+    for unrelated in (1, 2):  # whatever the random state before the Trainer
+        torch.manual_seed(unrelated)
+        trainer = quiet_trainer(tmp_path, max_epochs=1, seed=0)
+        module = Regressor()
+        start = params(module)
+        trainer.fit(module, loader(8, shuffle=True))
+        weights.append((start, params(module)))
+    for before, after in zip(weights[0], weights[1], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

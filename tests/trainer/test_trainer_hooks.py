@@ -90,8 +90,8 @@ class Recorded(Regressor):
 
 def _epoch(n: int) -> list[str]:
     return [
-        "on_train_epoch_start",
         "cb.on_train_epoch_start",
+        "on_train_epoch_start",
         "training_step(0)",
         "cb.on_train_batch_end(0)",
         "training_step(1)",
@@ -102,13 +102,16 @@ def _epoch(n: int) -> list[str]:
         "on_validation_epoch_end",
         "cb.on_eval_end(validate)",
         "cb.on_validation_end",
-        "on_train_epoch_end",
         "cb.on_train_epoch_end",
+        "on_train_epoch_end",
     ]
 
 
 @pytest.mark.timeout(20)
-def test_fit_calls_hooks_in_the_documented_order(tmp_path: Any) -> None:
+def test_fit_calls_torchrigs_own_eval_events_among_lightnings(tmp_path: Any) -> None:
+    """torchrig's on_eval_* events where docs/migrating.md puts them: on_eval_start after
+    on_validation_start, on_eval_batch_end after the batch's step, on_eval_end once the metrics
+    are reduced, before on_validation_end (Lightning's own order: test_lightning_hook_order.py)."""
     log: list[str] = []
     trainer = quiet_trainer(tmp_path, max_epochs=2, num_sanity_val_steps=1, callbacks=[Recorder(log)])
     trainer.fit(Recorded(log), loader(8, batch_size=4), loader(4, batch_size=4))
@@ -121,6 +124,7 @@ def test_fit_calls_hooks_in_the_documented_order(tmp_path: Any) -> None:
         "cb.on_eval_batch_end(sanity_check,0)",
         "on_validation_epoch_end",
         "cb.on_eval_end(sanity_check)",
+        "cb.on_validation_end",
         "on_train_start",
         *_epoch(0),
         *_epoch(1),
@@ -245,6 +249,7 @@ def test_validate_and_predict_call_their_hooks(tmp_path: Any) -> None:
         "cb.on_eval_batch_end(validate,1)",
         "on_validation_epoch_end",
         "cb.on_eval_end(validate)",
+        "cb.on_validation_end",
         "teardown(validate)",
         "setup(predict)",
         "cb.on_eval_start(predict)",

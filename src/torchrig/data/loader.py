@@ -115,6 +115,9 @@ class RigDataLoader:
         #: Called with this loader each time it yields a batch, before the batch is handed out
         #: (the Rig that prepared the loader records it as its ``current_loader``).
         self.on_batch = on_batch
+        #: False: yield the batches where the DataLoader made them (the Trainer's module moves
+        #: them itself, in its ``transfer_batch_to_device`` hook).
+        self.move_batches = True
         self._resume_at: tuple[int, int] | None = None
         #: torch's RNG state (and the loader's own generator's) when the current epoch started.
         self._epoch_rng: dict[str, Any] | None = None
@@ -156,7 +159,7 @@ class RigDataLoader:
             it = iter(self.loader)
         device = self.device
         non_blocking = device.type not in ("cpu", "mps")  # as move_to_device decides, once per epoch
-        move = device.type != "cpu"  # a DataLoader makes its batches on the CPU: nothing to move there
+        move = self.move_batches and device.type != "cpu"  # a DataLoader makes its batches on the CPU
         on_batch = self.on_batch
         for batch in it:
             self.batches_seen += 1

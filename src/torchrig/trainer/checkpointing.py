@@ -80,6 +80,8 @@ class ModelCheckpoint(Callback):
         >>> # Trainer(callbacks=[cb]).fit(module, train, val); cb.best_model_path
     """
 
+    monitors_epoch_metrics = True  # on_train_epoch_end after the module's, once the epoch's metrics are in
+
     def __init__(
         self,
         *,

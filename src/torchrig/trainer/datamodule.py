@@ -21,6 +21,9 @@ class DataModule:
         ...         return DataLoader(self.data, batch_size=4, shuffle=True)
     """
 
+    def prepare_data(self) -> None:
+        """Download or write data once per machine (local rank 0, before ``setup``; the others wait)."""
+
     def setup(self, stage: str) -> None:
         """Prepare datasets for ``stage`` (called in every process)."""
 

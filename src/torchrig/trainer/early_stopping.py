@@ -34,6 +34,8 @@ class EarlyStopping(Callback):
         >>> # Trainer(callbacks=[stopper]).fit(...); stopper.stopped_epoch
     """
 
+    monitors_epoch_metrics = True  # on_train_epoch_end after the module's, once the epoch's metrics are in
+
     def __init__(
         self,
         *,
@@ -58,7 +60,8 @@ class EarlyStopping(Callback):
         self.stop_reason = ""
 
     def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
-        if not self.check_on_train_epoch_end:
+        # Only validations inside a fit count (not its sanity check, nor Trainer.validate).
+        if not self.check_on_train_epoch_end and trainer.run.stage == "fit" and not trainer.sanity_checking:
             self._check(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:

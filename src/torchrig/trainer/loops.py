@@ -12,7 +12,8 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from functools import partial
+from typing import Any, NoReturn
 
 import torch
 
@@ -21,10 +22,7 @@ from torchrig.preemption import Preempted
 from torchrig.trainer.items import ItemWindow
 from torchrig.trainer.metrics import MetricStore, to_floats
 from torchrig.trainer.profiler import BACKWARD, DATA, LOGGING, OPTIMIZER, STEP, VALIDATION
-from torchrig.trainer.run import RunState
-
-if TYPE_CHECKING:
-    pass
+from torchrig.trainer.step_hooks import StepHooks
 
 
 @dataclass
@@ -51,9 +49,12 @@ def loss_of(output: Any) -> torch.Tensor | None:
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
+    loss = getattr(output, "loss", None)  # a dataclass, a ModelOutput: any object with a loss tensor
+    if isinstance(loss, torch.Tensor):
+        return loss
     raise TypeError(
         f"training_step returned {type(output).__name__}; return the loss tensor, a dict with a 'loss' "
-        "tensor, or None to skip the batch"
+        "tensor, an object with a 'loss' tensor attribute (a dataclass), or None to skip the batch"
     )
 
 
@@ -71,7 +72,7 @@ def num_batches(loader: Any, limit: int | float) -> int | float:
     return int(length * limit)
 
 
-class Run(RunState):
+class Run(StepHooks):
     """A Trainer's run (its state: :class:`~torchrig.trainer.run.RunState`) and the loops it runs:
     :meth:`fit`, :meth:`evaluate` and :meth:`predict`. ``self.trainer`` (``tr`` in the loops) is
     the configuration and the values users read; everything alive only while the run goes is
@@ -123,8 +124,16 @@ class Run(RunState):
         self.stop_held = False
         if not self.resumed and tr.num_sanity_val_steps != 0 and self.has_validation():
             limit = math.inf if tr.num_sanity_val_steps == -1 else tr.num_sanity_val_steps
-            self.evaluate("sanity_check", limit_override=limit)
-        self.call_module("on_train_start")
+            self.sanity_checking = True
+            try:
+                self.emit("on_sanity_check_start")
+                self.evaluate("sanity_check", limit_override=limit)
+                self.emit("on_sanity_check_end")
+            finally:
+                self.sanity_checking = False
+        if not self.require_module().automatic_optimization:
+            self.hook_manual_steps()
+        self.emit("on_train_start")
         self.started_at = time.monotonic()
         self.sparse_due = 0.0  # the sparse batch-end hooks see the first batch
         if state.epoch_finished:
@@ -144,7 +153,7 @@ class Run(RunState):
         finally:  # also when the fit stops on an error or a signal: the profiler reports what it saw
             if profiler is not None:
                 profiler.stop(tr)
-        self.call_module("on_train_end")
+        self.emit("on_train_end")
 
     def may_stop(self, epochs_done: int) -> bool:
         """Whether the fit may end now that a stop was asked for (``should_stop``), ``epochs_done``
@@ -175,9 +184,8 @@ class Run(RunState):
         n = tr.num_training_batches
         if state.batch_idx == 0 and not state.val_pending:
             self.train_metrics.reset()
-            self.call_module("on_train_epoch_start")
-            self.call_callbacks("on_train_epoch_start")
-        elif state.val_pending:  # resumed right after a batch whose validation did not run yet
+        self.emit("on_train_epoch_start")  # also for the epoch a fit resumes into, as Lightning
+        if state.val_pending:  # resumed right after a batch whose validation did not run yet
             self.validate_in_fit()
         if state.batch_idx < n and not (tr.should_stop and self.may_stop(state.epoch)):
             if state.batch_idx == 0:
@@ -230,19 +238,21 @@ class Run(RunState):
         always for the last batch the loop runs.
         """
         tr = self.trainer
-        state, module = tr.fit_state, self.require_module()
-        batch_end = self.hooks("on_train_batch_end")
+        state = tr.fit_state
+        batch_start, batch_end = self.hooks("on_train_batch_start"), self.hooks("on_train_batch_end")
         sparse, interval = self.sparse_batch_end()
         clock, timed, val_at_last = time.perf_counter, tr.max_time is not None, isinstance(tr.val_check_interval, float)
         poll, stop = self.signals.poll, 0
-        for batch in batches:
+        for batch in self.transferred(batches, 0):
             is_last = batch_idx + 1 >= n
+            for hook in batch_start:
+                hook(batch, batch_idx)
             output = one_batch(batch, batch_idx, is_last)
             state.batch_idx = batch_idx + 1
             if validate_epoch:
                 state.val_pending = state.batch_idx % val_every == 0 or (is_last and val_at_last)
             for hook in batch_end:
-                hook(tr, module, output, batch, batch_idx)
+                hook(output, batch, batch_idx)
             if state.val_pending:
                 validate()
             if timed and self.time_is_up():
@@ -254,7 +264,7 @@ class Run(RunState):
             final = is_last or halt or stop or (tr.max_steps != -1 and state.global_step >= tr.max_steps)
             if sparse and (final or clock() >= due):  # after this batch's validation, if any
                 for hook in sparse:
-                    hook(tr, module, output, batch, batch_idx)
+                    hook(output, batch, batch_idx)
                 due = clock() + interval
             if final:
                 if stop:  # stop at an optimizer step, where a checkpoint is exact
@@ -292,7 +302,8 @@ class Run(RunState):
         rig, state, optimizers = tr.rig, tr.fit_state, list(tr.optimizers)
         training_step = prepared.step_caller(self.require_module().training_step)
         # Rig's public API, as a hand-written loop uses it; bound once per epoch, not per batch.
-        backward, steps, zeros = rig.backward, [o.step for o in optimizers], [o.zero_grad for o in optimizers]
+        backward, steps = rig.backward, [o.step for o in optimizers]
+        zeros: list[Callable[..., Any]] = [o.zero_grad for o in optimizers]
         clip, schedulers, log_step = self.clip_gradients, self.step_schedulers, self.log_step
         profiler = tr.profiler
         if profiler is not None:  # the same step with its callables timed (chosen once per epoch)
@@ -300,6 +311,12 @@ class Run(RunState):
             steps, zeros = [profiler.wrap(OPTIMIZER, f) for f in steps], [profiler.wrap(OPTIMIZER, f) for f in zeros]
             clip, schedulers = profiler.wrap(OPTIMIZER, clip), profiler.wrap(OPTIMIZER, schedulers)
             log_step = profiler.wrap(LOGGING, log_step)
+
+        # The module's overrides and the step's hooks, where Lightning calls them (chosen once per
+        # epoch: what nobody overrides costs no call).
+        backward, steps, zeros, clip, clips_always = self.overridden_step(optimizers, backward, steps, zeros, clip)
+        backward, zeros = self.hooked_backward(backward), self.hooked_zero_grads(optimizers, zeros)
+        before_step = [partial(h, o) for o in optimizers for h in self.hooks("on_before_optimizer_step")]
 
         # Token-weighted steps (a dict with "num_items"): the window's count and the gradient scaling.
         items = ItemWindow(rig.world_size, rig.device, optimizers)
@@ -309,6 +326,8 @@ class Run(RunState):
             accumulate = tr.accumulate_grad_batches
             if accumulate == 1:  # every batch is a boundary: no context manager, no division
                 output = training_step(batch, batch_idx)
+                for zero_grad in zeros:  # where Lightning zeroes: after the window's first training_step
+                    zero_grad()
                 if type(output) is torch.Tensor:
                     backward(output)
                 elif type(output) is dict and "num_items" in output:
@@ -322,6 +341,9 @@ class Run(RunState):
                 boundary = (batch_idx + 1) % accumulate == 0 or is_last
                 with rig.no_backward_sync(prepared, enabled=not boundary):
                     output = training_step(batch, batch_idx)
+                    if batch_idx % accumulate == 0:
+                        for zero_grad in zeros:
+                            zero_grad()
                     if type(output) is dict and "num_items" in output:
                         backward(items.add(output, batch_idx, accumulate, boundary))
                     else:
@@ -333,13 +355,13 @@ class Run(RunState):
                     return output
                 if items.open:  # also when this window's last batch returned None or a plain loss
                     finish(batch_idx)
-            # The optimizer step: clip, step and zero every optimizer, step the per-step schedulers.
-            if tr.gradient_clip_val is not None:
+            # The optimizer step: clip and step every optimizer, step the per-step schedulers.
+            for hook in before_step:
+                hook()
+            if clips_always or tr.gradient_clip_val is not None:
                 clip(prepared, optimizers)
             for step in steps:
                 step()
-            for zero_grad in zeros:
-                zero_grad()
             state.global_step += 1
             if tr.lr_scheduler_configs:
                 schedulers("step", state.global_step)
@@ -415,28 +437,26 @@ class Run(RunState):
         for cfg in tr.lr_scheduler_configs:
             if cfg.interval != interval or count % cfg.frequency:
                 continue
-            if cfg.monitor is None:
-                cfg.scheduler.step()
-                continue
-            metrics = tr.callback_metrics
-            if cfg.monitor not in metrics:
-                raise ValueError(
-                    f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
-                    f"logged: {sorted(metrics) or 'none'}"
-                )
-            cfg.scheduler.step(float(metrics[cfg.monitor]))
+            metric = None
+            if cfg.monitor is not None:
+                metrics = tr.callback_metrics
+                if cfg.monitor not in metrics:
+                    raise ValueError(
+                        f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
+                        f"logged: {sorted(metrics) or 'none'}"
+                    )
+                metric = float(metrics[cfg.monitor])
+            self.require_module().lr_scheduler_step(cfg.scheduler, metric)  # default: scheduler.step([metric])
 
     def validate_in_fit(self) -> None:
-        tr = self.trainer
         self.evaluate("validate")
-        tr.fit_state.val_pending = False
-        with self.log_into(self.eval_metrics):
-            self.call_callbacks("on_validation_end")
+        self.trainer.fit_state.val_pending = False
 
     def end_train_epoch(self) -> None:
         tr = self.trainer
-        with self.log_into(self.train_metrics):
-            self.call_module("on_train_epoch_end")
+        with self.log_into(self.train_metrics):  # the callbacks that do not read the epoch's metrics, the module
+            for hook in self.hooks("on_train_epoch_end", monitoring=False):
+                hook()
         epoch_values = self.train_metrics.epoch_values()
         self.epoch_metrics.update(epoch_values)
         logged = self.train_metrics.logger_keys(epoch_values)
@@ -445,7 +465,8 @@ class Run(RunState):
         if self.require_module().automatic_optimization:  # manual optimization steps its own schedulers
             self.step_schedulers("epoch", tr.fit_state.epoch + 1)
         tr.fit_state.epoch_finished = True
-        self.call_callbacks("on_train_epoch_end")
+        for hook in self.hooks("on_train_epoch_end", monitoring=True):  # checkpointing, early stopping
+            hook()
 
     # -- evaluation and predict ---------------------------------------------------------------
     def evaluate(self, stage: str, limit_override: float | None = None) -> list[dict[str, torch.Tensor]]:
@@ -454,25 +475,29 @@ class Run(RunState):
         prepared = self.prepared_module
         assert prepared is not None
         method = prepared.module.test_step if stage == "test" else prepared.module.validation_step
-        store, was_training = self.eval_metrics, prepared.module.training
+        hook = _HOOK_STAGE[stage]
+        store = self.eval_metrics
         store.reset()
         with self.log_into(store):
-            prepared.module.eval()
-            self.call_callbacks("on_eval_start", stage)
-            try:
-                with self.eval_context():
-                    for idx, loader in enumerate(loaders):
-                        n = num_batches(loader, self.eval_limit(stage)) if limit_override is None else limit_override
-                        if len(loaders) > 1:  # each loader's values kept apart: name/dataloader_idx_N
-                            with self.log_into(store, suffix=f"/dataloader_idx_{idx}"):
-                                self.eval_loader(stage, method, loader, idx, n)
-                        else:
-                            self.eval_loader(stage, method, loader, None, n)
-                    if stage in ("validate", "sanity_check"):
-                        self.call_module("on_validation_epoch_end")
-            finally:
-                prepared.module.train(was_training)
-            return self.end_evaluation(stage, store, len(loaders))
+            if stage == "validate" and self.stage == "fit":
+                self.emit("on_validation_model_zero_grad")
+            self.emit(f"on_{hook}_model_eval")
+            self.emit(f"on_{hook}_start")
+            self.emit("on_eval_start", stage)
+            self.emit(f"on_{hook}_epoch_start")
+            with self.eval_context():
+                for idx, loader in enumerate(loaders):
+                    n = num_batches(loader, self.eval_limit(stage)) if limit_override is None else limit_override
+                    if len(loaders) > 1:  # each loader's values kept apart: name/dataloader_idx_N
+                        with self.log_into(store, suffix=f"/dataloader_idx_{idx}"):
+                            self.eval_loader(stage, method, loader, idx, n)
+                    else:
+                        self.eval_loader(stage, method, loader, None, n)
+                self.emit(f"on_{hook}_epoch_end")
+            results = self.end_evaluation(stage, store, len(loaders))
+            self.emit(f"on_{hook}_end")
+            self.emit(f"on_{hook}_model_train")
+            return results
 
     def end_evaluation(self, stage: str, store: MetricStore, count: int) -> list[dict[str, torch.Tensor]]:
         tr = self.trainer
@@ -485,7 +510,7 @@ class Run(RunState):
                 self.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
             elif logged:
                 self.log_to_loggers(logged)
-        self.call_callbacks("on_eval_end", stage)
+        self.emit("on_eval_end", stage)
         return results
 
     def eval_loader(self, stage: str, method: Any, loader: Any, idx: int | None, n: float) -> None:
@@ -494,9 +519,17 @@ class Run(RunState):
         if n <= 0:
             return
         call, with_idx = prepared.step_caller(method), idx is not None and _takes_loader_index(method)
-        for batch_idx, batch in enumerate(loader):
+        hook = _HOOK_STAGE[stage]
+        start, end = self.hooks(f"on_{hook}_batch_start"), self.hooks(f"on_{hook}_batch_end")
+        eval_end, extra = self.hooks("on_eval_batch_end"), () if idx is None else (idx,)
+        for batch_idx, batch in enumerate(self.transferred(loader, idx or 0)):
+            for hook_fn in start:
+                hook_fn(batch, batch_idx, *extra)
             output = call(batch, batch_idx, idx) if with_idx else call(batch, batch_idx)
-            self.call_callbacks("on_eval_batch_end", stage, output, batch, batch_idx)
+            for hook_fn in end:
+                hook_fn(output, batch, batch_idx, *extra)
+            for hook_fn in eval_end:
+                hook_fn(stage, output, batch, batch_idx)
             if batch_idx + 1 >= n:
                 break
 
@@ -512,8 +545,12 @@ class Run(RunState):
         prepared = self.prepared_module
         assert prepared is not None
         loaders = self.eval_loaders["predict"]
-        prepared.module.eval()
-        self.call_callbacks("on_eval_start", "predict")
+        self.emit("on_predict_model_eval")
+        self.emit("on_predict_start")
+        self.emit("on_eval_start", "predict")
+        self.emit("on_predict_epoch_start")
+        start, end = self.hooks("on_predict_batch_start"), self.hooks("on_predict_batch_end")
+        eval_end = self.hooks("on_eval_batch_end")
         results: list[Any] = []
         keep, track = self.return_predictions, self.track_batch_indices()
         with self.eval_context():
@@ -523,17 +560,25 @@ class Run(RunState):
                 predict_step = prepared.step_caller(prepared.module.predict_step)
                 indices = batch_indices(loader) if track else None
                 self.predict_dataloader_idx = idx
-                for batch_idx, batch in enumerate(loader):
+                extra = (idx,) if len(loaders) > 1 else ()
+                for batch_idx, batch in enumerate(self.transferred(loader, idx)):
                     if batch_idx >= n:
                         break
+                    for hook in start:
+                        hook(batch, batch_idx, *extra)
                     out = predict_step(batch, batch_idx)
                     if indices is not None:
                         self.predict_batch_indices = indices[batch_idx] if batch_idx < len(indices) else []
-                    self.call_callbacks("on_eval_batch_end", "predict", out, batch, batch_idx)
+                    for hook in end:
+                        hook(out, batch, batch_idx, *extra)
+                    for hook in eval_end:
+                        hook("predict", out, batch, batch_idx)
                     if keep:  # in dataset order, each sample once (the sampler's padding dropped)
                         outputs.append(tr.rig.gather_for_metrics(out))
                 results.append(outputs)
-        self.call_callbacks("on_eval_end", "predict")
+        self.emit("on_predict_epoch_end")
+        self.emit("on_predict_end")
+        self.emit("on_eval_end", "predict")
         if not keep:
             return None
         return results[0] if len(results) == 1 else results
@@ -550,6 +595,10 @@ def batch_indices(loader: Any) -> list[list[int]] | None:
     if epoch is not None and hasattr(inner.sampler, "set_epoch"):
         inner.sampler.set_epoch(epoch + 1)
     return [list(batch) for batch in sampler]
+
+
+#: Which Lightning hooks (``on_<this>_start``...) an evaluation stage calls.
+_HOOK_STAGE = {"sanity_check": "validation", "validate": "validation", "test": "test", "predict": "predict"}
 
 
 def stop_at_step(signum: int) -> NoReturn:

@@ -1,22 +1,8 @@
 """``TrainingModule``: an ``nn.Module`` that also says how to train, evaluate and predict.
 
-Hooks, in the order a ``fit`` calls them (the module's hook runs first, then the callbacks'
-event of the same moment, see :mod:`torchrig.trainer.callbacks`):
-
-| hook                          | when                                                         |
-|-------------------------------|--------------------------------------------------------------|
-| ``setup(stage)``              | first, in every process; ``stage`` is fit/validate/test/predict |
-| ``configure_optimizers()``    | after the module is on its device (fit only)                 |
-| ``on_train_start()``          | after the sanity validation, before the first epoch          |
-| ``on_train_epoch_start()``    | before the first batch of each epoch                         |
-| ``training_step(batch, i)``   | each batch: return the loss (or a dict with ``"loss"``)      |
-| ``validation_step(batch, i)`` | each validation batch (also during the sanity check)         |
-| ``on_validation_epoch_end()`` | after the last validation batch, before metrics are reduced  |
-| ``on_train_epoch_end()``      | after the last batch (and its validation) of each epoch      |
-| ``on_train_end()``            | after the last epoch                                         |
-| ``test_step(batch, i)``       | each batch of ``Trainer.test``                               |
-| ``predict_step(batch, i)``    | each batch of ``Trainer.predict`` (default: ``self(batch)``) |
-| ``teardown(stage)``           | last, also when the run raised                               |
+Its hooks (``on_fit_start``, ``on_train_batch_end``, ``prepare_data``...) are Lightning 2.6's,
+with Lightning's names, arguments and order: :class:`~torchrig.trainer.hooks.ModelHooks`; the
+table of when each runs is in docs/migrating.md.
 """
 
 from __future__ import annotations
@@ -33,6 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from torchrig import arguments
+from torchrig.trainer.hooks import ModelHooks
 from torchrig.trainer.metrics import LogOptions
 
 if TYPE_CHECKING:
@@ -45,7 +32,7 @@ _M = TypeVar("_M", bound="TrainingModule")
 _OPTIONS: dict[tuple[Any, ...], LogOptions] = {}
 
 
-class TrainingModule(nn.Module):
+class TrainingModule(nn.Module, ModelHooks):
     """Subclass it, define ``training_step`` and ``configure_optimizers``, hand it to a Trainer.
 
     Example:
@@ -176,21 +163,6 @@ class TrainingModule(nn.Module):
         """
         raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers() to be fitted")
 
-    # -- hooks (do nothing by default) -------------------------------------------------------
-    def setup(self, stage: str) -> None: ...
-
-    def teardown(self, stage: str) -> None: ...
-
-    def on_train_start(self) -> None: ...
-
-    def on_train_end(self) -> None: ...
-
-    def on_train_epoch_start(self) -> None: ...
-
-    def on_train_epoch_end(self) -> None: ...
-
-    def on_validation_epoch_end(self) -> None: ...
-
     # -- manual optimization (automatic_optimization = False) --------------------------------
     def optimizers(self) -> Any:
         """The optimizers of ``configure_optimizers()`` as prepared for this run (they step through
@@ -222,7 +194,9 @@ class TrainingModule(nn.Module):
         prepared = trainer.run.prepared_module
         if prepared is not None and not trainer.run.skip_backward_sync:
             trainer.rig.strategy.prepare_for_backward(prepared._forward_module, loss)
-        trainer.rig.backward(loss, **kwargs)
+        trainer.run.emit("on_before_backward", loss)
+        self.backward(trainer.rig.precision.scaled(loss), **kwargs)  # default: loss.backward()
+        trainer.run.emit("on_after_backward")
 
     def clip_gradients(
         self,
@@ -331,8 +305,13 @@ class SchedulerConfig:
     monitor: str | None = None
 
 
-def parse_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
-    """The optimizers and schedulers of what ``configure_optimizers()`` returned."""
+def parse_optimizers(
+    config: Any, steps_schedulers: bool = False
+) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """The optimizers and schedulers of what ``configure_optimizers()`` returned.
+
+    ``steps_schedulers``: the module overrides ``lr_scheduler_step``, so a scheduler need not be
+    torch's (timm's, for one)."""
     if isinstance(config, torch.optim.Optimizer):
         return [config], []
     if isinstance(config, Mapping):
@@ -343,10 +322,11 @@ def parse_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
                 "it must hold a torch.optim.Optimizer under 'optimizer'"
             )
         sched = config.get("lr_scheduler")
-        return [optimizer], ([] if sched is None else [_scheduler_config(sched)])
+        return [optimizer], ([] if sched is None else [_scheduler_config(sched, steps_schedulers)])
     if isinstance(config, (list, tuple)):
         if len(config) == 2 and isinstance(config[0], (list, tuple)) and isinstance(config[1], (list, tuple)):
-            optimizers, schedulers = parse_optimizers(list(config[0]))[0], [_scheduler_config(s) for s in config[1]]
+            optimizers = parse_optimizers(list(config[0]))[0]
+            schedulers = [_scheduler_config(s, steps_schedulers) for s in config[1]]
             return optimizers, schedulers
         if config and all(isinstance(o, torch.optim.Optimizer) for o in config):
             return list(config), []
@@ -356,7 +336,7 @@ def parse_optimizers(config: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
     )
 
 
-def _scheduler_config(sched: Any) -> SchedulerConfig:
+def _scheduler_config(sched: Any, steps_schedulers: bool) -> SchedulerConfig:
     if isinstance(sched, Mapping):
         cfg = SchedulerConfig(
             scheduler=sched.get("scheduler"),
@@ -366,10 +346,11 @@ def _scheduler_config(sched: Any) -> SchedulerConfig:
         )
     else:
         cfg = SchedulerConfig(scheduler=sched)
-    if not isinstance(cfg.scheduler, (LRScheduler, ReduceLROnPlateau)):
+    if not steps_schedulers and not isinstance(cfg.scheduler, (LRScheduler, ReduceLROnPlateau)):
         raise TypeError(
             f"lr_scheduler {type(cfg.scheduler).__name__} is not a torch LR scheduler; "
-            "give a torch.optim.lr_scheduler object (or {'scheduler': it, 'interval': 'step'})"
+            "give a torch.optim.lr_scheduler object (or {'scheduler': it, 'interval': 'step'}), or define "
+            "lr_scheduler_step(self, scheduler, metric) on the module to step it yourself (timm's schedulers)"
         )
     if cfg.interval not in ("step", "epoch"):
         raise ValueError(f"lr_scheduler interval={cfg.interval!r}; use 'step' or 'epoch'")

@@ -63,6 +63,8 @@ class ProgressBar(Callback):
         >>> # trainer = Trainer(callbacks=[bar])
     """
 
+    monitors_epoch_metrics = True  # on_train_epoch_end after the module's, once the epoch's metrics are in
+
     def __init__(self, *, refresh_interval: float = 0.5, console: Console | None = None) -> None:
         self.refresh_interval = arguments.finite_at_least(
             "refresh_interval", refresh_interval, 0.0, hint=" (seconds; default 0.5)"
@@ -81,6 +83,8 @@ class ProgressBar(Callback):
         # metrics, still tensors (converted when printed).
         self._finished: list[tuple[str, dict[str, Any]]] = []
         self._shown_epoch = -1  # the epoch the training bar's description names
+        # The epoch being trained, as it started: after the fit the loop's count is one past it.
+        self._epoch = 0
 
     @property
     def console(self) -> Console:
@@ -106,6 +110,7 @@ class ProgressBar(Callback):
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
         # Where the epoch is: a fit resumed mid-epoch starts there, with no epoch start.
         at = _batches_done(trainer)
+        self._epoch = trainer.current_epoch
         self._train.start(_total(getattr(trainer, "num_training_batches", None)), at=at)
         if _rank_zero(trainer) and self.is_live:
             self._start(owned=True)
@@ -114,15 +119,16 @@ class ProgressBar(Callback):
 
     def _show_train(self, trainer: Trainer, *, refresh: bool) -> None:
         if self._progress is not None:
-            desc = f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}"
+            desc = f"Epoch {self._epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}"
             fields = self._train.fields(self._metrics_text)
             self._progress.update(self._train_task, description=desc, visible=True, **fields)
-            self._shown_epoch = trainer.current_epoch
+            self._shown_epoch = self._epoch
             if refresh:
                 self._progress.refresh()
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._loss = None
+        self._epoch = trainer.current_epoch
         self._train.start(_total(getattr(trainer, "num_training_batches", None)))
         # Neither drawn nor updated now: a frame of "0/N" would take the rate limit's turn from
         # the epoch's batches (short epochs then only ever showed 0/N). The next redraw shows the
@@ -265,7 +271,7 @@ class ProgressBar(Callback):
         if self._progress is not None:
             metrics = to_floats(self._train_values(trainer)) if metrics is None else metrics
             self._metrics_text = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-            if self._shown_epoch != trainer.current_epoch:  # a new epoch since the last redraw
+            if self._shown_epoch != self._epoch:  # a new epoch since the last redraw
                 self._show_train(trainer, refresh=False)
             else:
                 self._progress.update(self._train_task, **self._train.fields(self._metrics_text))

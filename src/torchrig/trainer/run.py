@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchrig.preemption import SignalWatch
-from torchrig.trainer.callbacks import active_hooks, sparse_batch_end_hooks
+from torchrig.trainer.callbacks import EVENTS, active_hooks, overrides, sparse_batch_end_hooks, with_trainer
 from torchrig.trainer.metrics import MetricStore
 from torchrig.trainer.module import TrainingModule
 from torchrig.wrappers import RigModule
@@ -51,6 +51,8 @@ class RunState:
         self.prepared_module: RigModule | None = None
         self.prepared_loaders: dict[int, tuple[Any, Any]] = {}  # id(loader) -> (loader, prepared)
         self.train_loader: Any = None
+        #: Makes the fit's training loader when first needed (see :meth:`ensure_train_loader`).
+        self.pending_train: Callable[[], Any] | None = None
         self.eval_loaders: dict[str, list[Any]] = {"validate": [], "test": [], "predict": []}
         self.train_metrics = MetricStore(device=rig.device, rig=rig)
         self.eval_metrics = MetricStore(device=rig.device, rig=rig)
@@ -59,6 +61,9 @@ class RunState:
         self.epoch_metrics: dict[str, torch.Tensor] = {}
         self.logged: dict[str, Any] = {}
         self.stage: str | None = None
+        self.sanity_checking = False  # the fit's sanity check is running
+        self.given_callbacks: list[Any] | None = None  # the Trainer's callbacks, once a module added its own
+        self.compiled: torch.nn.Module | None = None  # torch.compile(module) as given to this run, if so
         self.resumed = False
         self.resumed_from: Path | None = None  # the checkpoint this fit resumed from (resolved)
         self.checkpoint_dir: Path | None = None  # the default checkpoint folder, once chosen
@@ -93,38 +98,55 @@ class RunState:
             raise RuntimeError("no module attached; call fit/validate/test/predict with a module first")
         return module
 
-    def call_module(self, hook: str, *args: Any) -> Any:
-        return getattr(self.require_module(), hook)(*args)
-
-    def call_callbacks(self, event: str, *args: Any) -> None:
-        trainer, module = self.trainer, self.require_module()
+    def emit(self, event: str, *args: Any) -> None:
+        """Call every hook of ``event`` (one of :data:`~torchrig.trainer.callbacks.EVENTS`) with
+        the event's arguments: the callbacks' then the module's, as Lightning does."""
         for hook in self.hooks(event):
-            hook(trainer, module, *args)
+            hook(*args)
 
-    def hooks(self, event: str) -> list[Callable[..., Any]]:
-        """The callbacks' ``event`` methods to call, bound, in order (:func:`active_hooks`).
+    def hooks(self, event: str, monitoring: bool | None = None) -> list[Callable[..., Any]]:
+        """The hooks of ``event`` to call, in order, each taking the event's own arguments: the
+        callbacks' overridden methods (:func:`active_hooks`, given ``trainer, module`` first),
+        then the module's when it overrides it (or its default does something).
 
         Worked out once per event and run (see :meth:`refresh_hooks`), so an event nobody
-        overrides costs no call at all, which matters for the per-batch ones.
+        overrides costs no call at all, which matters for the per-batch ones. ``monitoring``
+        (``on_train_epoch_end`` only): True: the callbacks that read the epoch's metrics
+        (:attr:`Callback.monitors_epoch_metrics`), called after the module's hook; False: the
+        others and the module's hook; None: all.
         """
-        found = self._hook_cache.get(event)
+        key = event if monitoring is None else f"{event}/{monitoring}"
+        found = self._hook_cache.get(key)
         if found is None:
-            found = active_hooks(self.trainer.callbacks, event)
-            profiler = self.trainer.profiler
-            if profiler is not None:
-                found = profiler.wrap_hooks(found)
-            self._hook_cache[event] = found
+            found = self._resolve(event, monitoring)
+            self._hook_cache[key] = found
+        return found
+
+    def _resolve(self, event: str, monitoring: bool | None) -> list[Callable[..., Any]]:
+        trainer, module, kind = self.trainer, self.require_module(), EVENTS[event]
+        callbacks = [cb for cb in trainer.callbacks if monitoring is None or cb.monitors_epoch_metrics is monitoring]
+        bound = active_hooks(callbacks, event) if kind.callback else []
+        own = kind.module and monitoring is not True and (kind.default or overrides(module, TrainingModule, event))
+        profiler = trainer.profiler
+        if profiler is not None:
+            bound = profiler.wrap_hooks(bound)
+        found = [with_trainer(hook, trainer, module) for hook in bound]
+        if own:
+            method = getattr(module, event)
+            found += profiler.wrap_hooks([method]) if profiler is not None else [method]
         return found
 
     def sparse_batch_end(self) -> tuple[list[Callable[..., Any]], float]:
-        """The ``on_train_batch_end`` methods called at most every ``interval`` seconds, and the
-        interval (:func:`sparse_batch_end_hooks`); worked out once per run."""
+        """The ``on_train_batch_end`` methods called at most every ``interval`` seconds (taking
+        the event's arguments), and the interval (:func:`sparse_batch_end_hooks`); worked out
+        once per run."""
         if self._sparse_cache is None:
             hooks, interval = sparse_batch_end_hooks(self.trainer.callbacks)
             profiler = self.trainer.profiler
             if profiler is not None:
                 hooks = profiler.wrap_hooks(hooks)
-            self._sparse_cache = hooks, interval
+            trainer, module = self.trainer, self.require_module()
+            self._sparse_cache = [with_trainer(hook, trainer, module) for hook in hooks], interval
         return self._sparse_cache
 
     def refresh_hooks(self) -> None:
@@ -174,6 +196,14 @@ class RunState:
         from torchrig.trainer.prediction_writer import BasePredictionWriter
 
         return any(isinstance(cb, BasePredictionWriter) for cb in self.trainer.callbacks)
+
+    def ensure_train_loader(self) -> None:
+        """Ask for and prepare the fit's training loader now, if it is still to come: after
+        ``configure_optimizers`` (Lightning's order), or within it, when it reads
+        ``trainer.estimated_stepping_batches``."""
+        if self.pending_train is not None:
+            make, self.pending_train = self.pending_train, None
+            self.train_loader = make()
 
     def eval_context(self) -> contextlib.AbstractContextManager[Any]:
         """What validation, test and predict run under: ``torch.inference_mode()`` when

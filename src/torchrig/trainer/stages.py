@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch.utils.data import DataLoader
 
+from torchrig import speedups
 from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
 from torchrig.clusters import CLUSTER_ENVIRONMENTS
 from torchrig.data import RigDataLoader
@@ -22,14 +23,15 @@ from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, restart_count
 from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
 from torchrig.trainer import debugging, loops, settings
+from torchrig.trainer.callbacks import TRANSFER_HOOKS, Callback, merge_callbacks, overrides, unknown_hooks
 from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
+from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.module import TrainingModule, parse_optimizers
 from torchrig.trainer.summary import summary_table
 from torchrig.wrappers import RigModule
 
 if TYPE_CHECKING:
     from torchrig.rig import Rig
-    from torchrig.trainer.datamodule import DataModule
     from torchrig.trainer.trainer import Trainer
 
 _LOADER_METHODS = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
@@ -43,21 +45,18 @@ def run_fit_stage(
     datamodule: DataModule | None,
     ckpt_path: str | os.PathLike[str] | None,
 ) -> None:
-    begin(tr, module, "fit")
+    module = begin(tr, module, "fit")
     try:
         setup(tr, module, datamodule, "fit")
-        if train is None and datamodule is not None:
-            train = datamodule.train_dataloader()
-        if train is None:
-            raise ValueError(
-                "fit() needs training data: pass train_dataloaders= or a datamodule= with train_dataloader()"
-            )
-        if val is None and datamodule is not None:
-            val = datamodule.val_dataloader()
         prepare_module(tr, module)
-        # The loader first: configure_optimizers may size a schedule by estimated_stepping_batches.
-        tr.run.train_loader = _prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")
-        optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers())
+        tr.run.train_loader = None
+        # Asked for after configure_optimizers (Lightning's order), or inside it when it reads
+        # trainer.estimated_stepping_batches (sizing a OneCycle or warm-up schedule).
+        tr.run.pending_train = lambda: _train_loader(tr, module, datamodule, train)
+        custom = overrides(module, TrainingModule, "lr_scheduler_step")
+        optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers(), custom)
+        tr.run.ensure_train_loader()
+        val = _loaders_of(module, datamodule, val, "val_dataloader")
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
         tr.run.check_training_batches()
@@ -77,7 +76,7 @@ def run_fit_stage(
         depth = settings.summary_depth(tr)
         if depth and tr.is_global_zero:  # after a resume's message, as prepared for the run
             tr.rig.print(summary_table(module, tr.rig.precision.name, depth), end="")
-        tr.run.call_callbacks("on_fit_start")
+        tr.run.emit("on_fit_start")
         # Installed until the fit ends, or until the save of a stop is done (in _on_error).
         tr.run.signals = SignalWatch(tr.rig.strategy, tr.stop_signals).install()
         with debugging.anomaly_detection(tr):
@@ -86,7 +85,7 @@ def run_fit_stage(
             if found:
                 loops.stop_at_step(found)
         tr.run.signals.restore()
-        tr.run.call_callbacks("on_fit_end")
+        tr.run.emit("on_fit_end")
         _finalize_loggers(tr, "success")
     except BaseException as exc:
         _on_error(tr, exc)
@@ -107,16 +106,16 @@ def run_eval_stage(
         module = tr.module
     if module is None:
         raise ValueError(f"{stage}() needs a module: pass one, or call fit() first")
-    begin(tr, module, stage)
+    module = begin(tr, module, stage)
     try:
         setup(tr, module, datamodule, stage)
-        if loaders is None and datamodule is not None:
-            loaders = getattr(datamodule, _LOADER_METHODS[stage])()
+        prepared = prepare_module(tr, module)
+        loaders = _loaders_of(module, datamodule, loaders, _LOADER_METHODS[stage])
         if loaders is None:
             raise ValueError(
-                f"{stage}() needs data: pass dataloaders= or a datamodule= with {_LOADER_METHODS[stage]}()"
+                f"{stage}() needs data: pass dataloaders=, a datamodule= with {_LOADER_METHODS[stage]}(), "
+                f"or define {_LOADER_METHODS[stage]}() on {type(module).__name__}"
             )
-        prepared = prepare_module(tr, module)
         tr.run.eval_loaders[stage] = _prepare_loaders(tr, loaders, "dataloaders")
         if ckpt_path is not None:
             path = _resolve_path(tr, ckpt_path)
@@ -192,15 +191,26 @@ def _worker(rig: Rig, tr: Trainer, body: Callable[..., Any], spawned: bool, *arg
 
 
 # -- set-up and teardown ---------------------------------------------------------------------
-def begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
+def begin(tr: Trainer, given: TrainingModule, stage: str) -> TrainingModule:
+    """Start a run of ``given`` (a ``TrainingModule``, or ``torch.compile`` of one: the run's
+    module is then the one inside, prepared compiled the same way); the run's module."""
+    module, compiler = speedups.unwrap_compiled(given)
     if not isinstance(module, TrainingModule):
         raise TypeError(
             f"Trainer.{stage}() takes a torchrig.TrainingModule, got {type(module).__name__}; "
             "subclass torchrig.TrainingModule (or use torchrig.Rig with a plain nn.Module)"
         )
+    tr.run.compiled = given if compiler is not None else None
     tr.module, tr.run.stage, tr.interrupted = module, stage, False
     tr.run.refresh_hooks()
     module._trainer = tr
+    if overrides(module, TrainingModule, "configure_callbacks") or tr.run.given_callbacks is not None:
+        if tr.run.given_callbacks is None:  # the Trainer's own, kept apart from each module's
+            tr.run.given_callbacks = list(tr.callbacks)
+        tr.callbacks = merge_callbacks(tr.run.given_callbacks, module.configure_callbacks())
+    for owner, base in [(module, TrainingModule), *((cb, Callback) for cb in tr.callbacks)]:
+        for line in unknown_hooks(owner, base):
+            warnings.warn(line, stacklevel=4)
     if tr.seed is not None:
         tr.rig.seed_everything(tr.seed)
     if tr.deterministic is not None:
@@ -211,19 +221,44 @@ def begin(tr: Trainer, module: TrainingModule, stage: str) -> None:
         torch.backends.cudnn.benchmark = tr.benchmark
     elif tr.deterministic is True:
         torch.backends.cudnn.benchmark = False  # autotuning picks algorithms by timing: not deterministic
+    return module
 
 
 def setup(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
+    """``prepare_data`` (local rank 0 of each machine; the others wait), then ``setup(stage)``
+    (the datamodule's, the callbacks', the module's), then ``configure_model`` inside
+    ``rig.init_module()``, as Lightning orders them."""
+    owners = [(datamodule, DataModule), (module, TrainingModule)]
+    preparing = [x.prepare_data for x, base in owners if x is not None and overrides(x, base, "prepare_data")]
+    if preparing:
+        if tr.rig.local_rank == 0:
+            for prepare in preparing:
+                prepare()
+        tr.rig.barrier("prepare_data")
     if datamodule is not None:
         datamodule.setup(stage)
-    module.setup(stage)
+    tr.run.emit("setup", stage)
+    if overrides(module, TrainingModule, "configure_model"):
+        with tr.rig.init_module():
+            module.configure_model()
 
 
 def teardown(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
-    module.teardown(stage)
+    tr.run.emit("teardown", stage)
     if datamodule is not None:
         datamodule.teardown(stage)
     tr.run.stage = None
+
+
+def _loaders_of(module: TrainingModule, datamodule: DataModule | None, given: Any, method: str) -> Any:
+    """The loaders a stage uses: those given; else the datamodule's ``method()``; else the
+    module's own ``method()`` (``train_dataloader``...), when it defines one, as in Lightning."""
+    if given is not None:
+        return given
+    if datamodule is not None:
+        return getattr(datamodule, method)()
+    own = getattr(module, method, None)
+    return own() if callable(own) else None
 
 
 def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
@@ -244,7 +279,7 @@ def _on_error(tr: Trainer, exc: BaseException) -> NoReturn:
             requeued = stop.signum == tr.requeue_signal and _requeue(tr)
             exc = stop = Preempted(stop.signum, requeued=requeued, saved=None if saved is None else str(saved))
         if tr.module is not None:
-            tr.run.call_callbacks("on_exception", exc)
+            tr.run.emit("on_exception", exc)
     finally:
         _finalize_loggers(tr, "interrupted" if interrupted else "failed")
         if interrupted:
@@ -292,8 +327,21 @@ def prepare_module(tr: Trainer, module: TrainingModule) -> RigModule:
     if tr.run.prepared_module is None or tr.run.prepared_module.module is not module:
         if tr.sync_batchnorm and tr.rig.world_size > 1:
             convert_sync_batchnorm(module, tr.rig.strategy, tr.rig.device.type)
-        tr.run.prepared_module = tr.rig.prepare(module)
+        given = module if tr.run.compiled is None else tr.run.compiled  # a compiled module: compiled again
+        tr.run.prepared_module = tr.rig.prepare(given)
     return tr.run.prepared_module
+
+
+def _train_loader(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, given: Any) -> Any:
+    """The fit's training loader, prepared: the one given, else the datamodule's or the module's
+    ``train_dataloader()``."""
+    train = _loaders_of(module, datamodule, given, "train_dataloader")
+    if train is None:
+        raise ValueError(
+            "fit() needs training data: pass train_dataloaders=, a datamodule= with train_dataloader(), "
+            f"or define train_dataloader() on {type(module).__name__}"
+        )
+    return _moves_batches(tr, [_prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")])[0]
 
 
 def _prepare_loader(tr: Trainer, loader: Any, what: str) -> Any:
@@ -311,11 +359,22 @@ def _prepare_loader(tr: Trainer, loader: Any, what: str) -> Any:
     return prepared
 
 
+def _moves_batches(tr: Trainer, loaders: list[Any]) -> list[Any]:
+    """``loaders``, each told whether it moves its batches to the device itself: not when the
+    module does in its batch-transfer hooks (:meth:`~torchrig.trainer.loops.Run.transferred`)."""
+    module = tr.run.require_module()
+    own = any(overrides(module, TrainingModule, name) for name in TRANSFER_HOOKS)
+    for loader in loaders:
+        if isinstance(loader, RigDataLoader):
+            loader.move_batches = not own
+    return loaders
+
+
 def _prepare_loaders(tr: Trainer, loaders: Any, what: str) -> list[Any]:
     if loaders is None:
         return []
     items = list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
-    return [_prepare_loader(tr, d, what) for d in items]
+    return _moves_batches(tr, [_prepare_loader(tr, d, what) for d in items])
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -401,8 +460,7 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     for cb in tr.callbacks:
         if cb.state_key in saved:
             cb.load_state_dict(saved[cb.state_key])
-    for cb in tr.callbacks:
-        cb.on_load_checkpoint(tr, tr.run.require_module(), left.get("callback_extras", {}))
+    tr.run.emit("on_load_checkpoint", left.get("callback_extras", {}))
     tr.run.resumed = True
 
 

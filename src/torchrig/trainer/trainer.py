@@ -65,7 +65,8 @@ class Trainer:
         enable_checkpointing: add a :class:`ModelCheckpoint` unless one is given: it saves at epoch ends, at
             most once a minute, and at the end of the fit, with the ``last`` link (``ckpt_path="last"``).
         deterministic: ``torch.use_deterministic_algorithms`` (True, False, or ``"warn"``); None leaves it.
-        seed: seed Python, NumPy and torch in every process before the run.
+        seed: seed Python, NumPy and torch when the Trainer is built (so a module built after it
+            starts the same in every run) and in every process when each run starts.
         stop_signals: signals that stop a fit at the next optimizer step on every rank, save ``last``
             there and exit with status 128 + the signal's number (:class:`~torchrig.Preempted`; SIGINT
             raises ``KeyboardInterrupt``). ``"auto"``: SIGTERM and SIGINT, and SIGUSR1 under SLURM;
@@ -242,6 +243,8 @@ class Trainer:
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         #: The objects of the runs (prepared module and loaders, metric stores, hook lists, clocks).
         self.run = loops.Run(self)
+        if self.seed is not None:  # now too: a module built after the Trainer is the same in every run
+            self.rig.seed_everything(self.seed)
 
     # -- what the run is at --------------------------------------------------------------------
     @property
@@ -253,6 +256,11 @@ class Trainer:
     def global_step(self) -> int:
         """Optimizer steps taken so far."""
         return self.fit_state.global_step
+
+    @property
+    def sanity_checking(self) -> bool:
+        """Whether the fit's sanity check (validation batches before training) is running."""
+        return self.run.sanity_checking
 
     @property
     def is_global_zero(self) -> bool:
@@ -326,6 +334,7 @@ class Trainer:
         epoch's end is a step), whichever is fewer. Known inside ``configure_optimizers`` (size a
         OneCycle or warm-up schedule with it); ``inf`` when neither bounds it (a loader without a
         length and no ``max_steps``)."""
+        self.run.ensure_train_loader()
         n = self.num_training_batches
         per_epoch = math.inf if math.isinf(n) else math.ceil(n / self.accumulate_grad_batches)
         epochs = math.inf if self.max_epochs == -1 else self.max_epochs
@@ -426,8 +435,7 @@ class Trainer:
         if hparams:  # plain data (save_hyperparameters checked it): load_from_checkpoint builds the module from it
             state["hparams"] = dict(hparams)
         extra: dict[str, Any] = {}
-        for cb in self.callbacks:
-            cb.on_save_checkpoint(self, self.run.require_module(), extra)
+        self.run.emit("on_save_checkpoint", extra)
         if extra:
             state["callback_extras"] = extra
         saved = self.rig.save(path, state, link=link, blocking=blocking)
