@@ -279,8 +279,8 @@ def plan(
     return out
 
 
-def _coordinates(rank: int, sizes: tuple[int, int, int]) -> dict[str, int]:
-    """Where ``rank`` sits in the row-major ``(dp_replicate, dp_shard, tp)`` mesh."""
+def _coordinates(rank: int, sizes: tuple[int, ...]) -> dict[str, int]:
+    """Where ``rank`` sits in the row-major ``(pp, dp_replicate, dp_shard, tp)`` mesh."""
     coords = {}
     for name, size in zip(reversed(parallel.MESH_DIMS), reversed(sizes), strict=True):
         rank, coords[name] = divmod(rank, size)
