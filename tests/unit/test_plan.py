@@ -135,3 +135,29 @@ def test_a_fake_forward_and_backward_checks_the_plan_against_the_model(capsys: p
     args = ["plan", "--devices", "8", "--tp", "8", "--input", "torchrig.demo.transformer:tokens_1b"]
     assert main([*args, "torchrig.demo.transformer:transformer_1b"]) == 0
     assert "forward + backward as rank 0 on fake tensors: output (2, 16, 32000)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_plan_of_a_pipeline_on_128_ranks() -> None:
+    # pp=4 x dp_shard=4 x tp=8: the strategy applied once per stage, the other 124 ranks derived
+    p = torchrig.plan(transformer_1b, world_size=128, pipeline_parallel=4, tensor_parallel=8)
+    assert p.mesh_sizes == {"pp": 4, "dp_replicate": 1, "dp_shard": 4, "tp": 8}
+    assert len(p.groups()) == 4  # one layout per stage
+    assert p.ranks[37].coordinates == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 5}
+    # 18 blocks over 4 stages: 5, 5, 4, 4; the embedding on the first stage, norm and head on the last
+    assert [p.ranks[r].stages for r in (0, 32, 64, 127)] == [(0,), (1,), (2,), (3,)]
+    assert p.ranks[0].stage_modules == ("layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "tok")
+    assert p.ranks[127].stage_modules[-2:] == ("norm", "head")
+    names = [{s.name for s in p.ranks[r].params} for r in (0, 32, 64, 96)]
+    assert "tok.weight" in names[0] and "head.weight" in names[3] and not names[1] & names[2]
+    assert len(set().union(*names)) == sum(len(n) for n in names) == 217 + 3  # every parameter on one stage
+    # each stage's tensors split 32 ways (tp=8 x dp_shard=4) or 4 (norms, dp_shard only)
+    q = next(s for s in p.ranks[37].params if s.name == "layers.5.attn.q.weight")
+    assert (q.shape, q.local_shape) == ((2048, 2048), (64, 2048))
+    # 1F1B: stage s keeps up to pp - s microbatches in flight; bubble (pp - 1) / (microbatches + pp - 1)
+    assert [p.ranks[r].in_flight for r in (0, 32, 64, 96)] == [4, 3, 2, 1]
+    assert (p.schedule, p.microbatches) == ("Schedule1F1B", 8)
+    assert p.bubble == pytest.approx(3 / 11)
+    text = p.report(max_params=0)
+    assert "pipeline schedule Schedule1F1B, 8 microbatches, bubble 27.3% of a step" in text
+    assert "ranks 96-127: stage 3 (layers.14-17, norm, head), activations of up to 1 microbatches in flight" in text
