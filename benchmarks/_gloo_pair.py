@@ -28,25 +28,36 @@ from _common import median_interval
 Contender = Callable[[argparse.Namespace], Callable[[], None]]
 
 
-def parser(description: str | None, batch_help: str) -> argparse.ArgumentParser:
+def parser(
+    description: str | None, batch_help: str, *, blocks: int = 100, block_steps: int = 5, batch: int = 8
+) -> argparse.ArgumentParser:
     out = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    out.add_argument("--blocks", type=int, default=100, help="blocks per contender (each paired with a neighbour)")
-    out.add_argument("--block-steps", type=int, default=5, help="steps per block")
-    out.add_argument("--batch", type=int, default=8, help=batch_help)
+    out.add_argument("--blocks", type=int, default=blocks, help="blocks per contender (each paired with a neighbour)")
+    out.add_argument("--block-steps", type=int, default=block_steps, help="steps per block")
+    out.add_argument("--batch", type=int, default=batch, help=batch_help)
     return out
 
 
-def run(contenders: dict[str, Contender], args: argparse.Namespace, *, world: int, title: str, workload: str) -> None:
-    """Spawn ``world`` processes that time ``contenders`` (the first is the baseline); rank 0 prints the table."""
+def run(
+    contenders: dict[str, Contender],
+    args: argparse.Namespace,
+    *,
+    world: int,
+    title: str,
+    workload: str,
+    warmup: int = 3,
+) -> None:
+    """Spawn ``world`` processes that time ``contenders`` (the first is the baseline) after ``warmup``
+    steps each; rank 0 prints the table."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     from torchrig.strategies.environment import find_free_port
 
-    spec = (contenders, args, world, title, workload)
+    spec = (contenders, args, world, title, workload, warmup)
     mp.start_processes(_worker, args=(spec, find_free_port()), nprocs=world, start_method="spawn")
 
 
 def _worker(rank: int, spec: tuple[Any, ...], port: int) -> None:
-    contenders, args, world, title, workload = spec
+    contenders, args, world, title, workload, warmup = spec
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -54,7 +65,7 @@ def _worker(rank: int, spec: tuple[Any, ...], port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     steps = {name: build(args) for name, build in contenders.items()}
     for step in steps.values():
-        for _ in range(3):
+        for _ in range(warmup):
             step()
     wall: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}

@@ -19,20 +19,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gloo_pair
+from tp_overhead import SEQ, VOCAB, _batches, make_data  # the same data as the tensor-parallel benchmark
 
 WORLD = 2
-SEQ = 32
-VOCAB = 512
 MICROBATCHES = 4
 
 
@@ -41,17 +40,6 @@ def make_model() -> nn.Module:
 
     torch.manual_seed(0)
     return Transformer(vocab=VOCAB, dim=128, layers=4, heads=4)
-
-
-def make_data() -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (1024, SEQ + 1), generator=g)
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
-
-
-def _batches(loader: Any) -> Iterator[Any]:
-    while True:
-        yield from loader
 
 
 def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
