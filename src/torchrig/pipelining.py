@@ -20,6 +20,7 @@ them. Modules without parameters (a rotary-embedding table) stay on every stage.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -242,6 +243,7 @@ class Pipeline:
     elsewhere: frozenset[str] = frozenset()  # state-dict keys of the whole model that other ranks' stages hold
     _schedule: Any = None
     _loss_fn: Callable[..., torch.Tensor] | None = None
+    running: bool = False  # inside a schedule's step: the only place a stage's forward may run
 
     @property
     def has_first_stage(self) -> bool:
@@ -275,7 +277,11 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         schedule = self.schedule(loss_fn, device)
         inputs = args if self.has_first_stage else ()
-        schedule.step(*inputs, target=target if self.has_last_stage else None, losses=losses, return_outputs=False)
+        self.running = True
+        try:
+            schedule.step(*inputs, target=target if self.has_last_stage else None, losses=losses, return_outputs=False)
+        finally:
+            self.running = False
         loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros((), device=device)
         dist.broadcast(loss, group=self.group, group_src=self.last_rank)
         return loss
@@ -309,8 +315,6 @@ def apply_pp(
     prune(model, layout, local, in_place=True)
     # one stage: the pruned model itself; several: a module tree per stage, sharing the blocks
     stage_modules = [model] if len(local) == 1 else [prune(model, layout, [s], in_place=False) for s in local]
-    for module in stage_modules:
-        module.register_forward_hook(stage_output)
     pipeline = Pipeline(
         model=model,
         stage_modules=stage_modules,
@@ -323,8 +327,23 @@ def apply_pp(
         last_rank=last_stage_rank(cls, pp_size),
         elsewhere=frozenset(every_key - set(model.state_dict(keep_vars=True))),
     )
+    for module in stage_modules:
+        module.register_forward_pre_hook(functools.partial(_inside_schedule, pipeline))
+        module.register_forward_hook(stage_output)
     model.__dict__[_ATTRIBUTE] = pipeline  # found again by pipeline_of (a plain attribute, not a submodule)
     return pipeline
+
+
+def _inside_schedule(pipeline: Pipeline, module: nn.Module, args: Any) -> None:
+    """A forward pre-hook: a stage runs only inside the schedule (called alone it would compute this
+    rank's part of the model and return an activation, not the model's output)."""
+    if not pipeline.running:
+        raise RuntimeError(
+            f"{type(module).__name__} is cut into pipeline stages (pipeline_parallel): model(x) would run only "
+            f"stage {', '.join(map(str, pipeline.stage_indices))} of {pipeline.num_stages}. Train with "
+            "loss = rig.forward_backward(model, loss_fn, x, target=y), which runs the whole schedule; evaluation "
+            "through a pipeline is not supported yet"
+        )
 
 
 _ATTRIBUTE = "_torchrig_pipeline"

@@ -130,3 +130,27 @@ def test_forward_backward_is_a_step_on_one_process() -> None:
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads, strict=True))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="forward_backward\\(\\) takes the module prepare\\(\\) returned; got a Linear"):
         rig.forward_backward(net, nn.functional.mse_loss, x, target=y)
+
+
+def test_a_stage_called_outside_the_schedule_refuses() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        whole = model(2)
+        pipeline = pipelining.apply_pp(whole, init_device_mesh("cpu", (1,), mesh_dim_names=("pp",)), schedule="GPipe")
+        assert pipelining.pipeline_of(whole) is pipeline and pipeline.microbatches == 2
+        with pytest.raises(RuntimeError, match=r"Transformer is cut into pipeline stages \(pipeline_parallel\): "):
+            whole(torch.zeros(2, 3, dtype=torch.long))
+        # the one-stage schedule itself runs it: forward and backward of both microbatches
+        loss = pipeline.step(
+            lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+            (torch.zeros(4, 3, dtype=torch.long),),
+            torch.zeros(4, 3, dtype=torch.long),
+            torch.device("cpu"),
+        )
+        assert loss.shape == () and all(p.grad is not None for p in whole.parameters())
+    finally:
+        dist.destroy_process_group()
