@@ -263,7 +263,15 @@ class Pipeline:
                 for module, index in zip(self.stage_modules, self.stage_indices, strict=True)
             ]
             one = stages_per_rank(self.schedule_cls) == 1
-            self._schedule = self.schedule_cls(stages[0] if one else stages, self.microbatches, loss_fn=loss_fn)
+            microbatches = self.microbatches
+
+            def scaled(output: Any, target: Any) -> torch.Tensor:
+                return loss_fn(output, target) / microbatches
+
+            # The loss is divided by the microbatches, not the gradients after the step (torch's
+            # scale_grads divides every gradient, those of earlier accumulated steps too).
+            stage = stages[0] if one else stages
+            self._schedule = self.schedule_cls(stage, microbatches, loss_fn=scaled, scale_grads=False)
             self._loss_fn = loss_fn
         return self._schedule
 
@@ -282,7 +290,7 @@ class Pipeline:
             schedule.step(*inputs, target=target if self.has_last_stage else None, losses=losses, return_outputs=False)
         finally:
             self.running = False
-        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros((), device=device)
+        loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=device)
         dist.broadcast(loss, group=self.group, group_src=self.last_rank)
         return loss
 

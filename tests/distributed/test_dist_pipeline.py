@@ -23,11 +23,12 @@ SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
 
 
 @cache
-def reference(llama: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def reference(llama: bool = False, accumulate: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Weights and report of the same training (4 blocks) in this one process."""
     import torchrig
 
-    state, report = load_script("model_parallel").train(torchrig.Rig(accelerator="cpu"), layers=4, llama=llama)
+    rig = torchrig.Rig(accelerator="cpu")
+    state, report = load_script("model_parallel").train(rig, layers=4, llama=llama, accumulate=accumulate)
     return {k: v.clone() for k, v in state.items()}, report
 
 
@@ -53,6 +54,16 @@ def test_llama_two_stages_train_like_one_process(tmp_path: Path, schedule: str) 
     ref_weights, ref = reference(llama=True)
     assert report["local_numel"] < ref["local_numel"] * 0.6
     assert any(k.startswith("model.layers.3.") for k in weights) and "lm_head.weight" in weights
+    assert_same_training(report, ref)
+    assert_same_weights(weights, ref_weights)
+
+
+@pytest.mark.timeout(120)
+def test_gradients_accumulate_over_two_schedule_steps(tmp_path: Path) -> None:
+    # each optimizer step from two forward_backward calls on halves of the batch, each loss halved:
+    # the second schedule step adds to the first one's gradients (none divided twice)
+    weights, report = launch(tmp_path / "w.pt", "--devices", "2", "--pp", "2", "--layers", "4", "--accumulate")
+    ref_weights, ref = reference(accumulate=True)
     assert_same_training(report, ref)
     assert_same_weights(weights, ref_weights)
 

@@ -80,6 +80,11 @@ def next_token_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def half_next_token_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Half the loss of a batch: two of them accumulate one step's gradients (``--accumulate``)."""
+    return next_token_loss(output, target) / 2
+
+
 def train(
     rig: torchrig.Rig,
     *,
@@ -89,8 +94,10 @@ def train(
     save: str | None = None,
     layers: int = 2,
     llama: bool = False,
+    accumulate: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``steps`` AdamW steps clipped to ``MAX_NORM``; the full final weights (rank 0) and a report."""
+    """``steps`` AdamW steps clipped to ``MAX_NORM``; the full final weights (rank 0) and a report.
+    ``accumulate``: each step's gradients accumulated from two halves of its batch."""
     rig.seed_everything(7)
     with rig.init_module(empty_init=empty_init):
         model = make_model(layers, llama)
@@ -106,7 +113,11 @@ def train(
     batches = iter(loader)
     for _ in range(steps):  # exactly ``steps`` batches drawn: the saved position is mid-epoch
         x, y = next(batches)
-        loss = rig.forward_backward(model, next_token_loss, x, target=y)
+        if accumulate:
+            halves = zip(x.chunk(2), y.chunk(2), strict=True)
+            loss = sum(rig.forward_backward(model, half_next_token_loss, a, target=b) for a, b in halves)
+        else:
+            loss = rig.forward_backward(model, next_token_loss, x, target=y)
         norms.append(rig.clip_gradients(model, optimizer, max_norm=MAX_NORM))
         optimizer.step()
         optimizer.zero_grad()
@@ -148,6 +159,7 @@ def main() -> None:
     parser.add_argument("--split", nargs="*", default=None)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--llama", action="store_true", help="a tiny transformers LlamaForCausalLM")
+    parser.add_argument("--accumulate", action="store_true", help="each step from two halves of its batch")
     args = parser.parse_args()
     strategy: Any = args.strategy
     if strategy == "model_parallel":
@@ -172,6 +184,7 @@ def main() -> None:
         save=args.save,
         layers=args.layers,
         llama=args.llama,
+        accumulate=args.accumulate,
     )
     if rig.is_global_zero:
         torch.save(state, args.out)
