@@ -19,20 +19,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median_interval
+import _gloo_pair
 
 WORLD = 2
 SEQ = 32
@@ -57,7 +53,7 @@ def _batches(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def hand_written(batch: int) -> Callable[[], None]:
+def hand_written(args: argparse.Namespace) -> Callable[[], None]:
     """One step of a tensor-parallel loop written with parallelize_module (both ranks read the same batches)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -77,7 +73,7 @@ def hand_written(batch: int) -> Callable[[], None]:
     parallelize_module(model, mesh, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)  # the same shuffle on both ranks
-    batches = _batches(DataLoader(make_data(), batch_size=batch, shuffle=True, generator=g))
+    batches = _batches(DataLoader(make_data(), batch_size=args.batch, shuffle=True, generator=g))
 
     def step() -> None:
         x, y = next(batches)
@@ -89,7 +85,7 @@ def hand_written(batch: int) -> Callable[[], None]:
     return step
 
 
-def through_rig(batch: int) -> Callable[[], None]:
+def through_rig(args: argparse.Namespace) -> Callable[[], None]:
     """One step of the same loop prepared by a Rig with ModelParallelStrategy (the same process group)."""
     import torchrig
 
@@ -97,7 +93,7 @@ def through_rig(batch: int) -> Callable[[], None]:
     rig = torchrig.Rig(accelerator="cpu", devices=WORLD, strategy=strategy)
     model = rig.prepare(make_model())
     optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    batches = _batches(rig.prepare(DataLoader(make_data(), batch_size=batch, shuffle=True)))
+    batches = _batches(rig.prepare(DataLoader(make_data(), batch_size=args.batch, shuffle=True)))
 
     def step() -> None:
         x, y = next(batches)
@@ -112,61 +108,11 @@ def through_rig(batch: int) -> Callable[[], None]:
 HAND, RIG = "hand-written parallelize_module", "torchrig Rig (ModelParallelStrategy, tp=2)"
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    steps = {HAND: hand_written(args.batch), RIG: through_rig(args.batch)}
-    for step in steps.values():
-        for _ in range(3):
-            step()
-    wall: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}
-    names = list(steps)
-    for block in range(args.blocks):
-        for name in names if block % 2 == 0 else names[::-1]:
-            step = steps[name]
-            dist.barrier()
-            w, c = time.perf_counter(), time.process_time()
-            for _ in range(args.block_steps):
-                step()
-            wall[name].append((time.perf_counter() - w) / args.block_steps)
-            cpu[name].append((time.process_time() - c) / args.block_steps)
-    if rank == 0:
-        report(wall, cpu, args)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def report(wall: dict[str, list[float]], cpu: dict[str, list[float]], args: argparse.Namespace) -> None:
-    def paired(times: dict[str, list[float]]) -> str:
-        ratios = [r / h for r, h in zip(times[RIG], times[HAND], strict=True)]
-        lo, hi = median_interval(ratios) or (float("nan"), float("nan"))
-        return f"{statistics.median(ratios):.3f}x ({lo:.3f}-{hi:.3f})"
-
-    print(f"\nTensor-parallel overhead, {WORLD} processes (tp={WORLD}), gloo on CPU, torch {torch.__version__}")
-    print(f"{args.blocks} blocks x {args.block_steps} steps per contender, batch {args.batch} x {SEQ} tokens\n")
-    print("| contender | median ms/step | best ms/step | paired ratio, wall (95% CI) | paired ratio, CPU (95% CI) |")
-    print("|---|--:|--:|--:|--:|")
-    for name in wall:
-        ratios = ("1.000x", "1.000x") if name == HAND else (paired(wall), paired(cpu))
-        med, best = statistics.median(wall[name]) * 1e3, min(wall[name]) * 1e3
-        print(f"| {name} | {med:.3f} | {best:.3f} | {ratios[0]} | {ratios[1]} |")
-    print(f"\ncommand: python {' '.join(sys.argv)}")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=100, help="blocks per contender (each paired with a neighbour)")
-    parser.add_argument("--block-steps", type=int, default=5, help="steps per block")
-    parser.add_argument("--batch", type=int, default=8, help="batch size (the same batch on both tp ranks)")
-    args = parser.parse_args()
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-    from torchrig.strategies.launch import find_free_port
-
-    mp.start_processes(worker, args=(args, find_free_port()), nprocs=WORLD, start_method="spawn")
+    args = _gloo_pair.parser(__doc__, "batch size (the same batch on both tp ranks)").parse_args()
+    contenders = {HAND: hand_written, RIG: through_rig}
+    title = f"Tensor-parallel overhead, {WORLD} processes (tp={WORLD})"
+    _gloo_pair.run(contenders, args, world=WORLD, title=title, workload=f"batch {args.batch} x {SEQ} tokens")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ function; a ``parallelize(model, mesh)`` of your own can call them too::
         torchrig.parallel.apply_fsdp(model, torchrig.parallel.data_parallel_mesh(mesh), wrap_policy={Block})
         return model
 
-The mesh always has the three named dimensions of :data:`MESH_DIMS` (size 1 where unused).
+The mesh always has the four named dimensions of :data:`MESH_DIMS` (size 1 where unused);
+:func:`apply_pp` (pipeline stages over ``mesh["pp"]``) comes first, then tensor parallel and FSDP
+on this rank's stage.
 """
 
 from __future__ import annotations
@@ -22,72 +24,94 @@ import torch
 from torch import nn
 
 from torchrig import arguments
+from torchrig.pipelining import Pipeline as Pipeline
+from torchrig.pipelining import apply_pp as apply_pp
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
-#: The names of the mesh dimensions, outermost first: HSDP replicas, FSDP shards, tensor parallel.
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+#: The names of the mesh dimensions, outermost first: pipeline stages, HSDP replicas, FSDP shards, tensor parallel.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 WrapPolicy = Callable[[nn.Module], bool]
 
 
 def mesh_sizes(
-    world_size: int, *, data_parallel_replicate: int, data_parallel_shard: int | str, tensor_parallel: int
-) -> tuple[int, int, int]:
-    """``(dp_replicate, dp_shard, tp)`` for ``world_size`` processes; ``"auto"`` shard takes what is left.
+    world_size: int,
+    *,
+    data_parallel_replicate: int,
+    data_parallel_shard: int | str,
+    tensor_parallel: int,
+    pipeline_parallel: int = 1,
+) -> tuple[int, int, int, int]:
+    """``(pp, dp_replicate, dp_shard, tp)`` for ``world_size`` processes; ``"auto"`` shard takes what is left.
 
     Raises ValueError, with the arithmetic and a size that works, when they do not multiply to
     ``world_size``.
 
     Example:
         >>> mesh_sizes(8, data_parallel_replicate=1, data_parallel_shard="auto", tensor_parallel=2)
-        (1, 4, 2)
+        (1, 1, 4, 2)
     """
-    check_sizes(data_parallel_replicate, data_parallel_shard, tensor_parallel)
+    check_sizes(data_parallel_replicate, data_parallel_shard, tensor_parallel, pipeline_parallel)
     auto = data_parallel_shard == "auto"
-    other = data_parallel_replicate * tensor_parallel
+    other = pipeline_parallel * data_parallel_replicate * tensor_parallel
+    named = f"data_parallel_replicate={data_parallel_replicate} x tensor_parallel={tensor_parallel}"
+    if pipeline_parallel > 1:
+        named = f"pipeline_parallel={pipeline_parallel} x {named}"
     if auto:
         if world_size % other:
             raise ValueError(
-                f"data_parallel_shard='auto' takes what data_parallel_replicate={data_parallel_replicate} x "
-                f"tensor_parallel={tensor_parallel} = {other} leave of the world size {world_size}, but "
-                f"{world_size} is not a multiple of {other}; {_valid_choice(world_size, tensor_parallel)}"
+                f"data_parallel_shard='auto' takes what {named} = {other} leave of the world size {world_size}, but "
+                f"{world_size} is not a multiple of {other}; "
+                f"{_valid_choice(world_size, tensor_parallel, pipeline_parallel)}"
             )
-        return data_parallel_replicate, world_size // other, tensor_parallel
+        return pipeline_parallel, data_parallel_replicate, world_size // other, tensor_parallel
     shard = int(data_parallel_shard)
     if other * shard != world_size:
+        pp = f"pipeline_parallel={pipeline_parallel} x " if pipeline_parallel > 1 else ""
         raise ValueError(
-            f"data_parallel_replicate={data_parallel_replicate} x data_parallel_shard={shard} x "
+            f"{pp}data_parallel_replicate={data_parallel_replicate} x data_parallel_shard={shard} x "
             f"tensor_parallel={tensor_parallel} = {other * shard}, but the world size is {world_size} "
-            f"(devices x num_nodes); the sizes must multiply to it. {_valid_choice(world_size, tensor_parallel)}"
+            "(devices x num_nodes); the sizes must multiply to it. "
+            f"{_valid_choice(world_size, tensor_parallel, pipeline_parallel)}"
         )
-    return data_parallel_replicate, shard, tensor_parallel
+    return pipeline_parallel, data_parallel_replicate, shard, tensor_parallel
 
 
-def check_sizes(data_parallel_replicate: Any, data_parallel_shard: Any, tensor_parallel: Any) -> None:
+def check_sizes(
+    data_parallel_replicate: Any, data_parallel_shard: Any, tensor_parallel: Any, pipeline_parallel: Any = 1
+) -> None:
     """ValueError naming the argument that is not an int >= 1 (``data_parallel_shard`` may be ``"auto"``)."""
     for name, value in (
         ("data_parallel_replicate", data_parallel_replicate),
         ("data_parallel_shard", data_parallel_shard),
         ("tensor_parallel", tensor_parallel),
+        ("pipeline_parallel", pipeline_parallel),
     ):
         if name == "data_parallel_shard" and value == "auto":
             continue
         arguments.int_in_range(name, value, 1, hint=" (or 'auto')" if name == "data_parallel_shard" else "")
 
 
-def _valid_choice(world_size: int, tensor_parallel: int) -> str:
-    tp = math.gcd(world_size, tensor_parallel)  # the largest tensor-parallel size <= the one asked that fits
+def _valid_choice(world_size: int, tensor_parallel: int, pipeline_parallel: int = 1) -> str:
+    pp = math.gcd(world_size, pipeline_parallel)  # the largest sizes <= the ones asked that fit
+    tp = math.gcd(world_size // pp, tensor_parallel)
+    shard = world_size // (pp * tp)
+    if pp == 1:
+        return (
+            f"for example tensor_parallel={tp}, data_parallel_shard={shard}, data_parallel_replicate=1 "
+            f"(1 x {shard} x {tp} = {world_size})"
+        )
     return (
-        f"for example tensor_parallel={tp}, data_parallel_shard={world_size // tp}, data_parallel_replicate=1 "
-        f"(1 x {world_size // tp} x {tp} = {world_size})"
+        f"for example pipeline_parallel={pp}, tensor_parallel={tp}, data_parallel_shard={shard}, "
+        f"data_parallel_replicate=1 ({pp} x 1 x {shard} x {tp} = {world_size})"
     )
 
 
-def init_mesh(device_type: str, sizes: tuple[int, int, int]) -> DeviceMesh:
-    """The ``(dp_replicate, dp_shard, tp)`` mesh over the default process group."""
+def init_mesh(device_type: str, sizes: tuple[int, int, int, int]) -> DeviceMesh:
+    """The ``(pp, dp_replicate, dp_shard, tp)`` mesh over the default process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
@@ -291,13 +315,15 @@ def apply_fsdp(
     return model
 
 
-def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+def total_norm(grads: list[torch.Tensor], norm_type: float, pp_group: Any = None) -> torch.Tensor:
     """The ``norm_type``-norm of all ``grads`` together, a plain tensor equal on every rank.
 
     DTensor gradients may live on different meshes (FSDP2 shards a tensor-parallel weight over
     ``(dp_shard, tp)`` but a replicated norm's weight over ``dp_shard`` only), which one
     ``torch.nn.utils.get_total_norm`` cannot mix: each group of one mesh and placement is reduced
     by DTensor (its shards' contributions summed over the ranks that hold them), then combined.
+    With ``pp_group`` (pipeline stages hold different parameters) the stages' norms are combined
+    over it too.
     """
     from torch.distributed.tensor import DTensor
 
@@ -309,20 +335,33 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if len(norms) == 1:
-        return norms[0]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if not norms:
+        norms.append(torch.zeros(()))
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if pp_group is None:
+        return norm
+    import torch.distributed as dist
+
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pp_group)
+        return norm
+    powered = norm**norm_type
+    dist.all_reduce(powered, group=pp_group)
+    return powered ** (1.0 / norm_type)
 
 
-def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for parameters that are DTensors on several meshes.
+def clip_grad_norm_(
+    parameters: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, pp_group: Any = None
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters that are DTensors on several meshes (and,
+    with ``pp_group``, on several pipeline stages: the norm of the whole model).
 
     Returns the total norm before clipping (a plain tensor, no host sync).
     """
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
-    norm = total_norm(grads, float(norm_type))
+    norm = total_norm(grads, float(norm_type), pp_group)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     with torch.no_grad():  # each rank scales its own shards: the same factor everywhere
         torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)

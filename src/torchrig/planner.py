@@ -8,8 +8,15 @@ DTensors: every parameter's local shard shape and placements, and from those the
 of parameters, gradients and AdamW state in the chosen precision. It answers "will my 8B model
 fit on 64 GPUs with tp=8?" before a job is submitted.
 
-Not counted: activations, the parameters FSDP2 gathers for one layer's forward/backward, buffers,
-and the allocator's and communication buffers' overheads.
+With pipeline parallel, each rank holds the parameters of its stage(s) only; the plan names each
+rank's stages and their modules, how many microbatches' activations the schedule keeps in flight
+on it, and the schedule's bubble (the share of a step a rank idles, from the textbook formula
+``(pp - 1) / (v * microbatches + pp - 1)`` with ``v`` stages per rank, equal forward and backward
+times; an upper bound for the zero-bubble schedule).
+
+Not counted: the bytes of activations (they depend on the input: run a step with ``step_input``),
+the parameters FSDP2 gathers for one layer's forward/backward, buffers, and the allocator's and
+communication buffers' overheads.
 """
 
 from __future__ import annotations
@@ -54,6 +61,11 @@ class RankPlan:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
+    #: With pipeline parallel: the stages this rank runs, their modules, and how many microbatches'
+    #: activations the schedule keeps in flight on it at most.
+    stages: tuple[int, ...] = ()
+    stage_modules: tuple[str, ...] = ()
+    in_flight: int = 0
 
     def layout(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
         """What distinguishes this rank's layout from another's (not which rank it is)."""
@@ -72,6 +84,10 @@ class ParallelPlan:
     seconds: float = 0.0
     #: The output shape of the forward/backward run on fake tensors, per applied rank (with ``step_input``).
     step_outputs: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: With pipeline parallel: the schedule's name, its microbatches and its bubble fraction.
+    schedule: str | None = None
+    microbatches: int = 0
+    bubble: float | None = None
 
     def groups(self) -> list[tuple[list[int], RankPlan]]:
         """Ranks with the same layout, together (most jobs have one or a few)."""
@@ -87,10 +103,21 @@ class ParallelPlan:
             f"{self.world_size} ranks, mesh {sizes}, precision {self.precision}, "
             f"{self.numel:,} parameters (planned in {self.seconds:.1f} s)",
         ]
+        if self.schedule is not None and self.bubble is not None:
+            lines.append(
+                f"pipeline schedule {self.schedule}, {self.microbatches} microbatches, "
+                f"bubble {100 * self.bubble:.1f}% of a step"
+            )
         for rank, shape in self.step_outputs.items():
             lines.append(f"forward + backward as rank {rank} on fake tensors: output {_shape(shape)}")
         for ranks, r in self.groups():
             lines.append("")
+            if r.stages:
+                lines.append(
+                    f"ranks {_ranges(ranks)}: stage {', '.join(map(str, r.stages))} "
+                    f"({', '.join(_module_ranges(r.stage_modules))}), activations of up to {r.in_flight} "
+                    "microbatches in flight"
+                )
             lines.append(f"ranks {_ranges(ranks)}: parameter shards (name, full shape -> local shape, placements)")
             shown = r.params if max_params is None else r.params[:max_params]
             width = max((len(p.name) for p in shown), default=0)
@@ -118,10 +145,16 @@ class ParallelPlan:
             "numel": self.numel,
             "seconds": self.seconds,
             "step_outputs": {str(k): v for k, v in self.step_outputs.items()},
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "bubble": self.bubble,
             "ranks": [
                 {
                     "rank": r.rank,
                     "coordinates": r.coordinates,
+                    "stages": list(r.stages),
+                    "stage_modules": list(r.stage_modules),
+                    "in_flight": r.in_flight,
                     "param_bytes": r.param_bytes,
                     "grad_bytes": r.grad_bytes,
                     "optimizer_bytes": r.optimizer_bytes,
@@ -137,6 +170,23 @@ class ParallelPlan:
 
 def _shape(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def _module_ranges(names: Iterable[str]) -> list[str]:
+    """``layers.0, layers.1, layers.2, norm`` -> ``layers.0-2, norm``."""
+    out: list[str] = []
+    run: list[str] = []
+    for name in [*names, ""]:
+        head, _, index = name.rpartition(".")
+        if run and index.isdigit() and run[-1].rpartition(".")[0] == head:
+            run.append(name)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else f"{run[0]}-{run[-1].rpartition('.')[2]}")
+        run = [name] if index.isdigit() else []
+        if name and not index.isdigit():
+            out.append(name)
+    return out
 
 
 def _gib(n: int) -> str:
@@ -189,6 +239,10 @@ def plan(
     data_parallel_replicate: int = 1,
     data_parallel_shard: int | str = "auto",
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    pp_schedule: str | type = "1F1B",
+    pp_microbatches: int | None = None,
+    pp_split: list[str] | None = None,
     tp_plan: Mapping[str, Any] | None = None,
     parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
     auto_wrap_policy: Any = None,
@@ -211,14 +265,16 @@ def plan(
     (``FakeTensorMode``: shapes only, no memory, no compute): a plan whose shards do not fit
     the model's forward (a head count the tensor-parallel size does not divide) fails here.
     A ``parallelize`` whose meshes have dimensions other than the strategy's is applied on
-    every planned rank. Bytes: parameters and gradients in the precision's parameter dtype
-    (fp32 for ``*-mixed``), AdamW's two moments in the same dtype.
+    every planned rank. With ``pipeline_parallel``, the strategy is applied once per stage (at the
+    applied ranks' places in each stage's slice of the mesh), and ``step_input`` is not run (a
+    stage alone cannot run the model's forward). Bytes: parameters and gradients in the
+    precision's parameter dtype (fp32 for ``*-mixed``), AdamW's two moments in the same dtype.
 
     Example:
         >>> from torchrig.demo.transformer import tiny
         >>> p = plan(tiny, world_size=4, tensor_parallel=2, ranks=[0])
         >>> p.mesh_sizes
-        {'dp_replicate': 1, 'dp_shard': 2, 'tp': 2}
+        {'pp': 1, 'dp_replicate': 1, 'dp_shard': 2, 'tp': 2}
         >>> [s.local_shape for s in p.ranks[0].params if s.name == "layers.0.mlp.up.weight"]
         [(32, 32)]
     """
@@ -229,6 +285,10 @@ def plan(
     arguments.int_in_range("world_size", world_size, 1, hint=" (devices x num_nodes)")
     store_dtype, compute_dtype = _dtypes(precision)
     strategy = ModelParallelStrategy(
+        pipeline_parallel=pipeline_parallel,
+        pp_schedule=pp_schedule,
+        pp_microbatches=pp_microbatches,
+        pp_split=pp_split,
         parallelize=parallelize,
         data_parallel_replicate=data_parallel_replicate,
         data_parallel_shard=data_parallel_shard,
@@ -250,18 +310,29 @@ def plan(
     itemsize = torch.empty(0, dtype=store_dtype).element_size()
     start = time.perf_counter()
     layouts: dict[int, list[_Param]] = {}
-    for rank in applied or chosen[:1]:
-        layouts[rank], out.numel, shape = _apply(strategy, model_fn, rank, world_size, sizes, store_dtype, step_input)
+    stages: dict[int, _Stage] = {}  # pipeline coordinate -> what its ranks run
+    per_stage = world_size // sizes[0]  # the ranks of one pipeline stage's slice of the mesh
+    applied = sorted({p * per_stage + r % per_stage for r in applied or chosen[:1] for p in range(sizes[0])})
+    for rank in applied:
+        layouts[rank], out.numel, shape, stage = _apply(
+            strategy, model_fn, rank, world_size, sizes, store_dtype, step_input
+        )
         if shape is not None:
             out.step_outputs[rank] = shape
-    template = next(iter(layouts.values()))
-    if not all(set(p.dims) <= set(parallel.MESH_DIMS) for p in template):  # meshes of the user's own making
+        if stage is not None:
+            stages[rank // per_stage] = stage
+    templates = {rank // per_stage: layout for rank, layout in layouts.items()}
+    if not all(set(p.dims) <= set(parallel.MESH_DIMS) for t in templates.values() for p in t):  # users' own meshes
         for rank in chosen:
             if rank not in layouts:
-                layouts[rank], _, _ = _apply(strategy, model_fn, rank, world_size, sizes, store_dtype, None)
+                layouts[rank], _, _, _ = _apply(strategy, model_fn, rank, world_size, sizes, store_dtype, None)
+    if stages:
+        first = next(iter(stages.values()))
+        out.schedule, out.microbatches, out.bubble = first.schedule, first.microbatches, first.bubble
     for rank in chosen:
         coords = _coordinates(rank, sizes)
-        params = layouts.get(rank) or template
+        params = layouts.get(rank) or templates[rank // per_stage]
+        stage = stages.get(rank // per_stage)
         shards = [p.at(coords) for p in params]
         trainable = sum(s.local_numel for s, p in zip(shards, params, strict=True) if p.requires_grad)
         held = sum(s.local_numel for s in shards)
@@ -273,18 +344,56 @@ def plan(
                 param_bytes=held * itemsize,
                 grad_bytes=trainable * itemsize,
                 optimizer_bytes=2 * trainable * itemsize,
+                stages=stage.indices if stage else (),
+                stage_modules=stage.modules if stage else (),
+                in_flight=stage.in_flight if stage else 0,
             )
         )
     out.seconds = time.perf_counter() - start
     return out
 
 
-def _coordinates(rank: int, sizes: tuple[int, int, int]) -> dict[str, int]:
-    """Where ``rank`` sits in the row-major ``(dp_replicate, dp_shard, tp)`` mesh."""
+def _coordinates(rank: int, sizes: tuple[int, ...]) -> dict[str, int]:
+    """Where ``rank`` sits in the row-major ``(pp, dp_replicate, dp_shard, tp)`` mesh."""
     coords = {}
     for name, size in zip(reversed(parallel.MESH_DIMS), reversed(sizes), strict=True):
         rank, coords[name] = divmod(rank, size)
     return {d: coords[d] for d in parallel.MESH_DIMS}
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """The pipeline stages one rank runs, as the strategy cut them."""
+
+    indices: tuple[int, ...]
+    modules: tuple[str, ...]
+    in_flight: int
+    schedule: str
+    microbatches: int
+    bubble: float
+
+
+def _stage_of(model: nn.Module) -> _Stage | None:
+    from torchrig.pipelining import pipeline_of, stages_per_rank
+
+    pipeline = pipeline_of(model)
+    if pipeline is None:
+        return None
+    pp = pipeline.num_stages // stages_per_rank(pipeline.schedule_cls)
+    v, m = stages_per_rank(pipeline.schedule_cls), pipeline.microbatches
+    first = pipeline.stage_indices[0]
+    # GPipe runs every forward before any backward; 1F1B-style schedules start the backward of a
+    # microbatch after the stages below have their own forwards in flight.
+    gpipe = pipeline.schedule_cls.__name__ == "ScheduleGPipe"
+    in_flight = m if gpipe else min(m, v * (pp - first))
+    return _Stage(
+        indices=tuple(pipeline.stage_indices),
+        modules=tuple(n for s in pipeline.stage_indices for n in pipeline.split.module_names(s)),
+        in_flight=in_flight,
+        schedule=pipeline.schedule_cls.__name__,
+        microbatches=m,
+        bubble=(pp - 1) / (v * m + pp - 1),
+    )
 
 
 @dataclass(frozen=True)
@@ -338,9 +447,9 @@ def _apply(
     sizes: Any,
     dtype: torch.dtype,
     step_input: Callable[[], Any] | None,
-) -> tuple[list[_Param], int, tuple[int, ...] | None]:
+) -> tuple[list[_Param], int, tuple[int, ...] | None, _Stage | None]:
     """The strategy's set-up of a fresh meta model as ``rank``: every parameter, the model's size,
-    and the output shape of a fake forward/backward when ``step_input`` is given."""
+    the output shape of a fake forward/backward when ``step_input`` is given, and its pipeline stages."""
     from torch.distributed.tensor import DTensor
 
     coords = _coordinates(rank, sizes)
@@ -368,10 +477,11 @@ def _apply(
                 else:
                     param = _Param(name, tuple(p.shape), (), (), (), kind, p.requires_grad)
                 params.append(param)
-            shape = None if step_input is None else _fake_step(model, step_input, rank)
+            stage = _stage_of(model)
+            shape = None if step_input is None or stage is not None else _fake_step(model, step_input, rank)
         finally:
             strategy._mesh = None
-    return params, numel, shape
+    return params, numel, shape, stage
 
 
 def _fake_step(model: nn.Module, step_input: Callable[[], Any], rank: int) -> tuple[int, ...]:

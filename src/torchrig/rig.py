@@ -315,6 +315,32 @@ class Rig:
         """``loss.backward()`` through the precision (scaled under 16-mixed)."""
         self.plan.precision.backward(loss, **kwargs)
 
+    def forward_backward(
+        self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], *args: Any, target: Any
+    ) -> torch.Tensor:
+        """``loss = loss_fn(module(*args), target)`` and ``rig.backward(loss)`` in one call, on every layout.
+
+        With pipeline parallel (``ModelParallelStrategy(pipeline_parallel=...)``) the model is cut
+        into stages on different ranks, so no rank can run ``module(x)`` alone: this call runs the
+        strategy's pipeline schedule over the batch, split into microbatches, and ``loss_fn`` runs
+        on the last stage for each. Returns the loss of the whole batch (the mean over the
+        microbatches), detached, the same on every rank. Write the step this way and the loop runs
+        unchanged on one device, DDP, FSDP and pipelines.
+
+        Example:
+            >>> import torch, torchrig
+            >>> rig = torchrig.Rig(accelerator="cpu")
+            >>> model = rig.prepare(torch.nn.Linear(2, 1))
+            >>> mse = torch.nn.functional.mse_loss
+            >>> loss = rig.forward_backward(model, mse, torch.ones(4, 2), target=torch.zeros(4, 1))
+        """
+        if not isinstance(module, RigModule):
+            raise TypeError(
+                f"forward_backward() takes the module prepare() returned; got a {type(module).__name__}: "
+                "call model = rig.prepare(model) first"
+            )
+        return self.strategy.forward_backward(module, loss_fn, args, target)
+
     def clip_gradients(
         self,
         module: nn.Module,

@@ -12,17 +12,23 @@ from torchrig.demo.transformer import tiny
 
 
 @pytest.mark.parametrize(
-    ("world", "replicate", "shard", "tp", "expected"),
+    ("world", "pp", "replicate", "shard", "tp", "expected"),
     [
-        (8, 1, "auto", 2, (1, 4, 2)),
-        (8, 2, "auto", 2, (2, 2, 2)),
-        (4, 1, 2, 2, (1, 2, 2)),
-        (64, 1, "auto", 8, (1, 8, 8)),
-        (1, 1, "auto", 1, (1, 1, 1)),
+        (8, 1, 1, "auto", 2, (1, 1, 4, 2)),
+        (8, 1, 2, "auto", 2, (1, 2, 2, 2)),
+        (4, 1, 1, 2, 2, (1, 1, 2, 2)),
+        (64, 1, 1, "auto", 8, (1, 1, 8, 8)),
+        (1, 1, 1, "auto", 1, (1, 1, 1, 1)),
+        (128, 4, 1, "auto", 8, (4, 1, 4, 8)),  # the pipeline is the outermost dimension
+        (4, 2, 1, 2, 1, (2, 1, 2, 1)),
     ],
 )
-def test_mesh_sizes(world: int, replicate: int, shard: int | str, tp: int, expected: tuple[int, int, int]) -> None:
-    got = parallel.mesh_sizes(world, data_parallel_replicate=replicate, data_parallel_shard=shard, tensor_parallel=tp)
+def test_mesh_sizes(
+    world: int, pp: int, replicate: int, shard: int | str, tp: int, expected: tuple[int, int, int, int]
+) -> None:
+    got = parallel.mesh_sizes(
+        world, data_parallel_replicate=replicate, data_parallel_shard=shard, tensor_parallel=tp, pipeline_parallel=pp
+    )
     assert got == expected
 
 
@@ -41,6 +47,15 @@ def test_sizes_that_do_not_multiply_to_the_world_show_the_arithmetic_and_a_valid
         r"data_parallel_shard=3",
     ):
         parallel.mesh_sizes(6, data_parallel_replicate=1, data_parallel_shard="auto", tensor_parallel=4)
+    with pytest.raises(ValueError) as err:
+        parallel.mesh_sizes(8, data_parallel_replicate=1, data_parallel_shard=2, tensor_parallel=2, pipeline_parallel=3)
+    assert str(err.value) == (
+        "pipeline_parallel=3 x data_parallel_replicate=1 x data_parallel_shard=2 x tensor_parallel=2 = 12, but the "
+        "world size is 8 (devices x num_nodes); the sizes must multiply to it. for example tensor_parallel=2, "
+        "data_parallel_shard=4, data_parallel_replicate=1 (1 x 4 x 2 = 8)"
+    )
+    with pytest.raises(ValueError, match=r"for example pipeline_parallel=2, tensor_parallel=2, data_parallel_shard=2"):
+        parallel.mesh_sizes(8, data_parallel_replicate=1, data_parallel_shard=3, tensor_parallel=2, pipeline_parallel=2)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +66,9 @@ def test_sizes_that_do_not_multiply_to_the_world_show_the_arithmetic_and_a_valid
         ({"data_parallel_shard": "all"}, r"data_parallel_shard='all' must be an int, not str \(or 'auto'\)"),
         ({"data_parallel_shard": 0}, r"data_parallel_shard=0 must be an int >= 1 \(or 'auto'\)"),
         ({"tensor_parallel": True}, "tensor_parallel=True must be an int, not bool"),
+        ({"pipeline_parallel": 0}, "pipeline_parallel=0 must be an int >= 1"),
+        ({"pp_microbatches": 0}, r"pp_microbatches=0 must be an int >= 1 \(or None: 2 x the stages\)"),
+        ({"pp_schedule": "1f1b"}, "pp_schedule='1f1b' is not a pipeline schedule; use one of 'GPipe', '1F1B', "),
     ],
 )
 def test_strategy_refuses_bad_sizes_when_made(kwargs: dict[str, object], message: str) -> None:
@@ -60,7 +78,7 @@ def test_strategy_refuses_bad_sizes_when_made(kwargs: dict[str, object], message
 
 def test_strategy_mesh_sizes_for_a_world_and_the_registry_name() -> None:
     strategy = torchrig.ModelParallelStrategy(data_parallel_replicate=2, tensor_parallel=4)
-    assert strategy.mesh_sizes(32) == (2, 4, 4)
+    assert strategy.mesh_sizes(32) == (1, 2, 4, 4)
     with pytest.raises(ValueError, match="= 8, but the world size is 12"):
         torchrig.ModelParallelStrategy(data_parallel_shard=2, tensor_parallel=4).mesh_sizes(12)
     assert isinstance(torchrig.STRATEGY_REGISTRY.get("model_parallel"), torchrig.ModelParallelStrategy)

@@ -16,13 +16,13 @@ from torchrig.demo.transformer import tiny, transformer_1b
 def test_plan_of_a_1b_transformer_on_64_ranks() -> None:
     # the strategy applied in the fake group as ranks 0, 37 and 63; every other rank derived from their placements
     p = torchrig.plan(transformer_1b, world_size=64, tensor_parallel=8, applied_ranks=[0, 37, 63])
-    assert p.mesh_sizes == {"dp_replicate": 1, "dp_shard": 8, "tp": 8}
+    assert p.mesh_sizes == {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "tp": 8}
     assert p.numel == 1_037_377_536
     assert [r.rank for r in p.ranks] == list(range(64))
     assert not dist.is_initialized()  # the fake group is gone
     assert len(p.groups()) == 1  # every dimension divides evenly: all ranks hold the same shapes
     rank = p.ranks[37]
-    assert rank.coordinates == {"dp_replicate": 0, "dp_shard": 4, "tp": 5}
+    assert rank.coordinates == {"pp": 0, "dp_replicate": 0, "dp_shard": 4, "tp": 5}
     shards = {s.name: s for s in rank.params}
     q = shards["layers.3.attn.q.weight"]  # split by columns over tp=8, then by rows over dp_shard=8
     assert (q.shape, q.local_shape) == ((2048, 2048), (32, 2048))
@@ -38,7 +38,8 @@ def test_plan_of_a_1b_transformer_on_64_ranks() -> None:
     assert held == replicated // 8 + (p.numel - replicated) // 64 == 16_229_632
     assert (rank.param_bytes, rank.grad_bytes, rank.optimizer_bytes) == (4 * held, 4 * held, 8 * held)
     text = p.report(max_params=3)
-    assert "64 ranks, mesh dp_replicate=1 x dp_shard=8 x tp=8, precision bf16-mixed, 1,037,377,536 parameters" in text
+    mesh = "mesh pp=1 x dp_replicate=1 x dp_shard=8 x tp=8"
+    assert f"64 ranks, {mesh}, precision bf16-mixed, 1,037,377,536 parameters" in text
     assert "ranks 0-63: parameter shards" in text and "... 217 more" in text
     assert "  0-63               0.06 GiB   0.06 GiB   0.12 GiB   0.24 GiB" in text
 
@@ -56,7 +57,7 @@ def test_ranks_derived_from_one_equal_the_strategy_applied_on_each(world: int, k
 
 def test_uneven_shards_differ_between_ranks_and_add_up() -> None:
     p = torchrig.plan(tiny, world_size=6, tensor_parallel=2, precision="bf16-true")
-    assert p.mesh_sizes == {"dp_replicate": 1, "dp_shard": 3, "tp": 2}
+    assert p.mesh_sizes == {"pp": 1, "dp_replicate": 1, "dp_shard": 3, "tp": 2}
     assert len(p.groups()) > 1  # 64 rows over tp=2 then dp_shard=3: 11, 11, 10
     rows = [next(s for s in r.params if s.name == "tok.weight").local_shape[0] for r in p.ranks]
     assert rows == [11, 11, 11, 11, 10, 10]
@@ -98,7 +99,7 @@ def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     )
     out = json.loads(capsys.readouterr().out)
     assert out["world_size"] == 4 and [r["rank"] for r in out["ranks"]] == [3]
-    assert out["ranks"][0]["coordinates"] == {"dp_replicate": 0, "dp_shard": 1, "tp": 1}
+    assert out["ranks"][0]["coordinates"] == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "tp": 1}
     assert main(["plan", "--devices", "4", "--tp", "2", "torchrig.demo.transformer:tiny"]) == 0
     text = capsys.readouterr().out
     assert "layers.0.mlp.up.weight    (128, 32) -> (32, 32)  dp_shard:_S(0, 2), tp:S(0)" in text
@@ -134,3 +135,29 @@ def test_a_fake_forward_and_backward_checks_the_plan_against_the_model(capsys: p
     args = ["plan", "--devices", "8", "--tp", "8", "--input", "torchrig.demo.transformer:tokens_1b"]
     assert main([*args, "torchrig.demo.transformer:transformer_1b"]) == 0
     assert "forward + backward as rank 0 on fake tensors: output (2, 16, 32000)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_plan_of_a_pipeline_on_128_ranks() -> None:
+    # pp=4 x dp_shard=4 x tp=8: the strategy applied once per stage, the other 124 ranks derived
+    p = torchrig.plan(transformer_1b, world_size=128, pipeline_parallel=4, tensor_parallel=8)
+    assert p.mesh_sizes == {"pp": 4, "dp_replicate": 1, "dp_shard": 4, "tp": 8}
+    assert len(p.groups()) == 4  # one layout per stage
+    assert p.ranks[37].coordinates == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 5}
+    # 18 blocks over 4 stages: 5, 5, 4, 4; the embedding on the first stage, norm and head on the last
+    assert [p.ranks[r].stages for r in (0, 32, 64, 127)] == [(0,), (1,), (2,), (3,)]
+    assert p.ranks[0].stage_modules == ("layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "tok")
+    assert p.ranks[127].stage_modules[-2:] == ("norm", "head")
+    names = [{s.name for s in p.ranks[r].params} for r in (0, 32, 64, 96)]
+    assert "tok.weight" in names[0] and "head.weight" in names[3] and not names[1] & names[2]
+    assert len(set().union(*names)) == sum(len(n) for n in names) == 217 + 3  # every parameter on one stage
+    # each stage's tensors split 32 ways (tp=8 x dp_shard=4) or 4 (norms, dp_shard only)
+    q = next(s for s in p.ranks[37].params if s.name == "layers.5.attn.q.weight")
+    assert (q.shape, q.local_shape) == ((2048, 2048), (64, 2048))
+    # 1F1B: stage s keeps up to pp - s microbatches in flight; bubble (pp - 1) / (microbatches + pp - 1)
+    assert [p.ranks[r].in_flight for r in (0, 32, 64, 96)] == [4, 3, 2, 1]
+    assert (p.schedule, p.microbatches) == ("Schedule1F1B", 8)
+    assert p.bubble == pytest.approx(3 / 11)
+    text = p.report(max_params=0)
+    assert "pipeline schedule Schedule1F1B, 8 microbatches, bubble 27.3% of a step" in text
+    assert "ranks 96-127: stage 3 (layers.14-17, norm, head), activations of up to 1 microbatches in flight" in text

@@ -318,13 +318,19 @@ def _compare(dcp_metadata: Any, modules: dict[str, nn.Module], strict: bool) -> 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from torchrig.pipelining import pipeline_of
+
     md = dcp_metadata.state_dict_metadata
     problems = []
     for key, module in modules.items():
+        pipeline = pipeline_of(module)  # a pipeline stage: the other stages' tensors are not for it
+        elsewhere = pipeline.elsewhere if pipeline is not None else frozenset()
         saved = {
             name[len(key) + 1 :]: torch.empty(v.size, device="meta")
             for name, v in md.items()
-            if name.startswith(key + ".") and isinstance(v, TensorStorageMetadata)
+            if name.startswith(key + ".")
+            and isinstance(v, TensorStorageMetadata)
+            and name[len(key) + 1 :] not in elsewhere
         }
         own = {k: v for k, v in get_model_state_dict(module).items() if isinstance(v, torch.Tensor)}
         _, message = compare_module(key, own, saved)

@@ -28,6 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--devices", type=int, required=True, help="devices (processes) per node")
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (default 1); the world is devices x num-nodes")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline_parallel, pipeline stages (default 1)")
+    p.add_argument("--pp-schedule", default="1F1B", help="GPipe, 1F1B (default), Interleaved1F1B or ZBVZeroBubble")
+    p.add_argument("--pp-microbatches", type=int, default=None, help="microbatches per step (default 2 x stages)")
+    p.add_argument(
+        "--pp-split", nargs="+", default=None, metavar="MODULE", help="the first block of each stage after the first"
+    )
     p.add_argument("--dp-replicate", type=int, default=1, help="data_parallel_replicate, HSDP replicas (default 1)")
     p.add_argument("--dp-shard", default="auto", help="data_parallel_shard (default auto: what is left)")
     p.add_argument("--precision", default="bf16-mixed", help="precision the memory is counted in (default bf16-mixed)")
@@ -79,6 +85,10 @@ def main(args: argparse.Namespace) -> int:
             data_parallel_replicate=args.dp_replicate,
             data_parallel_shard=shard,
             tensor_parallel=args.tp,
+            pipeline_parallel=args.pp,
+            pp_schedule=args.pp_schedule,
+            pp_microbatches=args.pp_microbatches,
+            pp_split=args.pp_split,
             precision=args.precision,
             ranks=args.rank,
             step_input=step_input,

@@ -147,6 +147,17 @@ class Strategy:
     def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type, foreach=None)
 
+    def forward_backward(
+        self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tuple[Any, ...], target: Any
+    ) -> torch.Tensor:
+        """One step's forward and backward: ``loss_fn(module(*args), target)`` and its backward through the
+        precision; returns the loss, detached. A pipeline-parallel strategy runs its schedule instead."""
+        loss = loss_fn(module(*args), target)
+        if self.precision is None:
+            raise RuntimeError("the strategy has no precision yet; create the Rig first")
+        self.precision.backward(loss)
+        return loss.detach()
+
     def manual_step_caller(self, module: RigModule, method: Callable[..., Any]) -> Callable[..., Any]:
         """How the Trainer calls ``method`` (``training_step``) under manual optimization, where the
         backward passes and optimizer steps happen inside it.

@@ -1,32 +1,41 @@
-"""``ModelParallelStrategy``: FSDP2, HSDP and tensor parallelism on one named ``DeviceMesh``."""
+"""``ModelParallelStrategy``: pipeline stages, FSDP2, HSDP and tensor parallelism on one named ``DeviceMesh``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from torchrig import parallel
+from torchrig import arguments, parallel
 from torchrig.strategies.fsdp import FSDPStrategy, WrapPolicy
 from torchrig.strategies.parallel import DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from torchrig.pipelining import Pipeline
+
 Parallelize = Callable[[nn.Module, "DeviceMesh"], nn.Module]
 
 
 class ModelParallelStrategy(FSDPStrategy):
-    """N-D parallelism: HSDP replicas x FSDP2 shards x tensor parallel, on one ``DeviceMesh``.
+    """N-D parallelism: pipeline stages x HSDP replicas x FSDP2 shards x tensor parallel, on one ``DeviceMesh``.
 
-    The mesh (:attr:`device_mesh`) has the named dimensions ``"dp_replicate"``, ``"dp_shard"``
-    and ``"tp"`` (all present, size 1 where unused), innermost ``tp``: the ranks of one
-    tensor-parallel group are neighbours (one machine, when ``tensor_parallel`` divides the
-    devices per machine). Dataloaders are split over the data-parallel ranks only: the
-    tensor-parallel ranks of one replica see the same batch.
+    The mesh (:attr:`device_mesh`) has the named dimensions ``"pp"``, ``"dp_replicate"``,
+    ``"dp_shard"`` and ``"tp"`` (all present, size 1 where unused), outermost ``pp``, innermost
+    ``tp``: the ranks of one tensor-parallel group are neighbours (one machine, when
+    ``tensor_parallel`` divides the devices per machine). Dataloaders are split over the
+    data-parallel ranks only: the tensor-parallel ranks and the pipeline stages of one replica see
+    the same batch.
+
+    With ``pipeline_parallel > 1``, ``prepare`` first keeps this rank's stages of the model
+    (:func:`torchrig.parallel.apply_pp`: the repeated blocks split evenly, or at ``pp_split``), then
+    splits and shards them as below; a step is ``rig.forward_backward(model, loss_fn, x, target=y)``,
+    which runs the schedule ``pp_schedule`` over the batch in ``pp_microbatches`` pieces.
 
     Without ``parallelize``, ``prepare`` splits the modules ``tp_plan`` (or the ``_tp_plan`` of the
     model and its submodules, :func:`torchrig.parallel.collect_tp_plan`) names over ``mesh["tp"]``
@@ -36,6 +45,12 @@ class ModelParallelStrategy(FSDPStrategy):
     With ``parallelize``, ``parallelize(model, mesh)`` does all of it and returns the model.
 
     Args:
+        pipeline_parallel: pipeline stages (ranks; the interleaved and V schedules run two stages each).
+        pp_schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"ZBVZeroBubble"`` or a schedule
+            class of ``torch.distributed.pipelining``.
+        pp_microbatches: microbatches per step; default 2 x the stages.
+        pp_split: the first block of each stage after the first (``["layers.4", "layers.8"]``);
+            None: the repeated blocks split evenly.
         parallelize: ``fn(model, mesh) -> model``; optional.
         data_parallel_replicate: HSDP replicas (typically one per node or group of nodes).
         data_parallel_shard: FSDP2 shards; ``"auto"``: what the other sizes leave of the world.
@@ -50,7 +65,7 @@ class ModelParallelStrategy(FSDPStrategy):
     Example:
         >>> strategy = ModelParallelStrategy(tensor_parallel=2, tp_plan={"mlp.up": "colwise", "mlp.down": "rowwise"})
         >>> strategy.mesh_sizes(8)
-        (1, 4, 2)
+        (1, 1, 4, 2)
     """
 
     name = "model_parallel"
@@ -58,6 +73,10 @@ class ModelParallelStrategy(FSDPStrategy):
     def __init__(
         self,
         *,
+        pipeline_parallel: int = 1,
+        pp_schedule: str | type = "1F1B",
+        pp_microbatches: int | None = None,
+        pp_split: Sequence[str] | None = None,
         parallelize: Parallelize | None = None,
         data_parallel_replicate: int = 1,
         data_parallel_shard: int | str = "auto",
@@ -78,7 +97,14 @@ class ModelParallelStrategy(FSDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        parallel.check_sizes(data_parallel_replicate, data_parallel_shard, tensor_parallel)
+        parallel.check_sizes(data_parallel_replicate, data_parallel_shard, tensor_parallel, pipeline_parallel)
+        from torchrig.pipelining import schedule_class
+
+        schedule_class(pp_schedule)  # an unknown schedule fails here, before any process starts
+        if pp_microbatches is not None:
+            arguments.int_in_range("pp_microbatches", pp_microbatches, 1, hint=" (or None: 2 x the stages)")
+        if pp_split is not None and (isinstance(pp_split, str) or not all(isinstance(n, str) for n in pp_split)):
+            raise TypeError(f"pp_split={pp_split!r} must be a list of module names, e.g. ['layers.4', 'layers.8']")
         if parallelize is not None and not callable(parallelize):
             raise TypeError(f"parallelize={parallelize!r} must be a function (model, mesh) -> model")
         if parallelize is not None and tp_plan is not None:
@@ -86,6 +112,10 @@ class ModelParallelStrategy(FSDPStrategy):
         if tp_plan is not None and (not isinstance(tp_plan, Mapping) or not tp_plan):
             raise TypeError(f"tp_plan={tp_plan!r} must be a non-empty dict of module name pattern -> style")
         self.parallelize = parallelize
+        self.pipeline_parallel = pipeline_parallel
+        self.pp_schedule = pp_schedule
+        self.pp_microbatches = pp_microbatches
+        self.pp_split = list(pp_split) if pp_split is not None else None
         self.data_parallel_replicate = data_parallel_replicate
         self.data_parallel_shard = data_parallel_shard
         self.tensor_parallel = tensor_parallel
@@ -93,30 +123,33 @@ class ModelParallelStrategy(FSDPStrategy):
         self._mesh: DeviceMesh | None = None
 
     # -- layout ---------------------------------------------------------------------------
-    def mesh_sizes(self, world_size: int | None = None) -> tuple[int, int, int]:
-        """``(dp_replicate, dp_shard, tp)`` for ``world_size`` (default: this run's); ValueError if they do not fit."""
+    def mesh_sizes(self, world_size: int | None = None) -> tuple[int, int, int, int]:
+        """``(pp, dp_replicate, dp_shard, tp)`` for ``world_size`` (default: this run's); ValueError if they
+        do not fit."""
         return parallel.mesh_sizes(
             self.world_size if world_size is None else world_size,
             data_parallel_replicate=self.data_parallel_replicate,
             data_parallel_shard=self.data_parallel_shard,
             tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel,
         )
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``(dp_replicate, dp_shard, tp)`` mesh (built when the process group is joined)."""
+        """The ``(pp, dp_replicate, dp_shard, tp)`` mesh (built when the process group is joined)."""
         if self._mesh is None:
             raise RuntimeError("the device mesh is built when the Rig joins the process group; create the Rig first")
         return self._mesh
 
     @property
     def data_parallel_size(self) -> int:
-        replicate, shard, _ = self.mesh_sizes()
+        _, replicate, shard, _ = self.mesh_sizes()
         return replicate * shard
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.global_rank // self.mesh_sizes()[2]  # tp is the innermost mesh dimension
+        # tp is the innermost mesh dimension, pp the outermost
+        return (self.global_rank // self.mesh_sizes()[3]) % self.data_parallel_size
 
     # -- life cycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -133,7 +166,11 @@ class ModelParallelStrategy(FSDPStrategy):
                     f"parallelize(model, mesh) returned a {type(out).__name__}; it must return the parallelized model"
                 )
             return out
-        plan = self.tp_plan if self.tp_plan is not None else parallel.collect_tp_plan(module)
+        plan = self.tp_plan
+        if plan is None and self.tensor_parallel > 1:  # a model's own plan matters only when it is split
+            plan = parallel.collect_tp_plan(module)
+        # Tensor parallel goes on the whole model, before the stages are cut: the plan's keys are
+        # checked against every module, and the pruning drops the split modules of other stages.
         if plan:
             parallel.apply_tp(module, mesh["tp"], plan)
         elif self.tensor_parallel > 1:
@@ -142,21 +179,72 @@ class ModelParallelStrategy(FSDPStrategy):
                 f"{type(module).__name__}: pass tp_plan={{'module.name': 'colwise' | 'rowwise' | ...}}, give the "
                 "model a _tp_plan attribute, or pass parallelize=fn(model, mesh)"
             )
-        if parallel.data_parallel_size(mesh) > 1:
-            parallel.apply_fsdp(
-                module,
-                parallel.data_parallel_mesh(mesh),
-                wrap_policy=self.auto_wrap_policy,
-                mp_policy=self._mixed_precision_policy(),
-                reshard_after_forward=self.reshard_after_forward,
+        pipeline = None
+        if self.pipeline_parallel > 1:
+            pipeline = parallel.apply_pp(
+                module, mesh["pp"], schedule=self.pp_schedule, microbatches=self.pp_microbatches, split=self.pp_split
             )
+        if parallel.data_parallel_size(mesh) > 1:
+            roots = pipeline.stage_modules if pipeline is not None else [module]
+            for root in roots:  # each stage is its own FSDP root (a rank's stages hold different blocks)
+                parallel.apply_fsdp(
+                    root,
+                    parallel.data_parallel_mesh(mesh),
+                    wrap_policy=self.auto_wrap_policy,
+                    mp_policy=self._mixed_precision_policy(),
+                    reshard_after_forward=self.reshard_after_forward,
+                )
         return module
 
+    def pipeline(self, module: nn.Module) -> Pipeline | None:
+        """The pipeline ``module`` (prepared or not) runs through; None without pipeline parallel."""
+        from torchrig.pipelining import pipeline_of
+        from torchrig.strategies.ddp import unwrap_module
+
+        return pipeline_of(unwrap_module(module))
+
+    def forward_backward(
+        self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tuple[Any, ...], target: Any
+    ) -> torch.Tensor:
+        pipeline = self.pipeline(module)
+        if pipeline is None:
+            return super().forward_backward(module, loss_fn, args, target)
+        if self.precision is not None and self.precision.scaler is not None:
+            raise ValueError(
+                "precision='16-mixed' scales the loss with a GradScaler, which pipeline schedules do not run; "
+                "use precision='bf16-mixed' with pipeline_parallel"
+            )
+        with self.precision.autocast() if self.precision is not None else contextlib.nullcontext():
+            return pipeline.step(loss_fn, args, target, self.root_device)
+
     def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
-        return parallel.clip_grad_norm_(parameters, max_norm, norm_type)
+        pp_group = self.device_mesh["pp"].get_group() if self.pipeline_parallel > 1 else None
+        return parallel.clip_grad_norm_(parameters, max_norm, norm_type, pp_group)
+
+    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The full state dict on rank 0, every stage's parameters under their original names."""
+        if self.pipeline_parallel == 1:
+            return super().module_state_dict(module)
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from torchrig.strategies.ddp import unwrap_module
+
+        state = get_model_state_dict(unwrap_module(module), options=StateDictOptions(full_state_dict=True))
+        state = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        stages: list[Any] = [None] * self.pipeline_parallel
+        dist.all_gather_object(stages, state, group=self.device_mesh["pp"].get_group())
+        if self.global_rank != 0:
+            return {}
+        return {k: v for stage in stages for k, v in stage.items()}
 
     def __repr__(self) -> str:
+        pp = (
+            f"pipeline_parallel={self.pipeline_parallel}, pp_schedule={self.pp_schedule!r}, "
+            if self.pipeline_parallel > 1
+            else ""
+        )
         return (
-            f"ModelParallelStrategy(data_parallel_replicate={self.data_parallel_replicate}, "
+            f"ModelParallelStrategy({pp}data_parallel_replicate={self.data_parallel_replicate}, "
             f"data_parallel_shard={self.data_parallel_shard!r}, tensor_parallel={self.tensor_parallel})"
         )

@@ -2,6 +2,7 @@
 
     python model_parallel.py --out W.pt --devices 4 --replicate 1 --shard 2 --tp 2 [--empty-init]
         [--strategy ddp|fsdp] [--save DIR] [--load DIR] [--steps 3] [--sequence-parallel]
+        [--pp 2 --schedule 1F1B --split layers.1] [--layers 4] [--llama]
 
 Rank 0 writes the full final weights to ``--out`` and, next to it (``.json``), the losses, the
 clipped gradient norms and how many parameter elements it holds. ``--load`` starts from a
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchrig
-from torchrig.demo.transformer import Block, tiny
+from torchrig.demo.transformer import Block, Transformer, tiny
 
 GLOBAL_BATCH = 8
 SEQ = 8
@@ -50,20 +51,58 @@ def dataset() -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def reference_init() -> dict[str, torch.Tensor]:
+def make_model(layers: int = 2, llama: bool = False) -> nn.Module:
+    """The demo transformer (``tiny()`` for 2 layers), or a tiny transformers ``LlamaForCausalLM``."""
+    if llama:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            use_cache=False,
+        )
+        return LlamaForCausalLM(config)
+    return tiny() if layers == 2 else Transformer(vocab=64, dim=32, layers=layers, heads=4)
+
+
+def reference_init(layers: int = 2, llama: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    return tiny().state_dict()
+    return make_model(layers, llama).state_dict()
+
+
+def next_token_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output.logits if hasattr(output, "logits") else output
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def half_next_token_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Half the loss of a batch: two of them accumulate one step's gradients (``--accumulate``)."""
+    return next_token_loss(output, target) / 2
 
 
 def train(
-    rig: torchrig.Rig, *, steps: int = 3, empty_init: bool = False, load: str | None = None, save: str | None = None
+    rig: torchrig.Rig,
+    *,
+    steps: int = 3,
+    empty_init: bool = False,
+    load: str | None = None,
+    save: str | None = None,
+    layers: int = 2,
+    llama: bool = False,
+    accumulate: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``steps`` AdamW steps clipped to ``MAX_NORM``; the full final weights (rank 0) and a report."""
+    """``steps`` AdamW steps clipped to ``MAX_NORM``; the full final weights (rank 0) and a report.
+    ``accumulate``: each step's gradients accumulated from two halves of its batch."""
     rig.seed_everything(7)
     with rig.init_module(empty_init=empty_init):
-        model = tiny()
+        model = make_model(layers, llama)
     if not empty_init:
-        model.load_state_dict(reference_init())
+        model.load_state_dict(reference_init(layers, llama))
     model = rig.prepare(model)
     optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
     loader = rig.prepare(DataLoader(dataset(), batch_size=GLOBAL_BATCH // rig.strategy.data_parallel_size))
@@ -74,12 +113,15 @@ def train(
     batches = iter(loader)
     for _ in range(steps):  # exactly ``steps`` batches drawn: the saved position is mid-epoch
         x, y = next(batches)
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        rig.backward(loss)
+        if accumulate:
+            halves = zip(x.chunk(2), y.chunk(2), strict=True)
+            loss = sum(rig.forward_backward(model, half_next_token_loss, a, target=b) for a, b in halves)
+        else:
+            loss = rig.forward_backward(model, next_token_loss, x, target=y)
         norms.append(rig.clip_gradients(model, optimizer, max_norm=MAX_NORM))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(rig.all_reduce(loss.detach(), "mean"))
+        losses.append(rig.all_reduce(loss, "mean"))
     if save:
         rig.save(save, state)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
@@ -112,20 +154,38 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save", default=None)
     parser.add_argument("--load", default=None)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--schedule", default="1F1B")
+    parser.add_argument("--split", nargs="*", default=None)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--llama", action="store_true", help="a tiny transformers LlamaForCausalLM")
+    parser.add_argument("--accumulate", action="store_true", help="each step from two halves of its batch")
     args = parser.parse_args()
     strategy: Any = args.strategy
     if strategy == "model_parallel":
         strategy = torchrig.ModelParallelStrategy(
+            pipeline_parallel=args.pp,
+            pp_schedule=args.schedule,
+            pp_split=args.split,
             data_parallel_replicate=args.replicate,
             data_parallel_shard=args.shard if args.shard == "auto" else int(args.shard),
             tensor_parallel=args.tp,
             tp_plan=SEQUENCE_PARALLEL_PLAN if args.sequence_parallel else None,
-            auto_wrap_policy={Block},
+            auto_wrap_policy=None if args.llama else {Block},
         )
     elif strategy == "fsdp":
         strategy = torchrig.FSDPStrategy(auto_wrap_policy={Block})
     rig = torchrig.Rig(accelerator="cpu", devices=args.devices, strategy=strategy)
-    state, report = train(rig, steps=args.steps, empty_init=args.empty_init, load=args.load, save=args.save)
+    state, report = train(
+        rig,
+        steps=args.steps,
+        empty_init=args.empty_init,
+        load=args.load,
+        save=args.save,
+        layers=args.layers,
+        llama=args.llama,
+        accumulate=args.accumulate,
+    )
     write_result(rig, args.out, state, report)
 
 
