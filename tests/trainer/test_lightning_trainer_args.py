@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import Regressor, loader, quiet_trainer, subprocess_env
+from trainer_helpers import Regressor, loader, params, quiet_trainer, subprocess_env
 
 import torchrig
 
@@ -305,3 +305,53 @@ def test_use_distributed_sampler_is_checked() -> None:
     rig = torchrig.Rig(accelerator="cpu")
     with pytest.raises(TypeError, match="use_distributed_sampler=1 must be True or False"):
         rig.prepare(torch.utils.data.DataLoader(range(4)), use_distributed_sampler=1)
+
+
+# -- reload_dataloaders_every_n_epochs --------------------------------------------------------------
+class Curriculum(torchrig.DataModule):
+    """Each train_dataloader() call serves a harder slice: the first calls' samples, then later ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(64, 4, generator=g)
+        self.data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+    def train_dataloader(self) -> Any:
+        self.calls.append(len(self.calls))
+        start = 16 * (len(self.calls) - 1) % 48
+        part = torch.utils.data.Subset(self.data, range(start, start + 16))
+        return torch.utils.data.DataLoader(part, batch_size=4, shuffle=True)
+
+
+def _curriculum_fit(root: Path, max_steps: int = -1, ckpt: Any = None) -> tuple[torchrig.Trainer, Curriculum]:
+    torch.manual_seed(0)
+    module, data = Regressor(dropout=0.2), Curriculum()
+    trainer = quiet_trainer(
+        root,
+        max_epochs=5,
+        max_steps=max_steps,
+        reload_dataloaders_every_n_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)],
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    return trainer, data
+
+
+def test_reload_dataloaders_asks_again_every_n_epochs_and_resumes_exactly(tmp_path: Path) -> None:
+    whole, data = _curriculum_fit(tmp_path / "a")
+    assert data.calls == [0, 1, 2]  # epochs 0, 2 and 4
+    assert whole.global_step == 5 * 4
+    _curriculum_fit(tmp_path / "b", max_steps=14)  # stops in epoch 3, two batches in (its loader: epoch 2's)
+    resumed, again = _curriculum_fit(tmp_path / "b", ckpt="last")
+    assert again.calls == [0, 1, 2]  # at the start, for the resumed epoch (the second call's data), at epoch 4
+    assert resumed.global_step == whole.global_step
+    for a, b in zip(params(whole.module), params(resumed.module), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_reload_dataloaders_every_n_epochs_is_checked() -> None:
+    with pytest.raises(ValueError, match="reload_dataloaders_every_n_epochs"):
+        torchrig.Trainer(accelerator="cpu", reload_dataloaders_every_n_epochs=-1)

@@ -85,6 +85,17 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
+def read_summary(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``meta.json`` of the checkpoint at ``path`` (its ``step``, ``epoch`` and plain ``values``),
+    without checking its files: what a run decides before it loads the checkpoint.
+
+    Example:
+        >>> # torchrig.checkpoint.read_summary("checkpoints/last")["epoch"]
+    """
+    with fetched(path) as folder:
+        return read_meta(folder)
+
+
 def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Write the model weights of a checkpoint (sharded or not) as one ``.safetensors`` file.
 

@@ -179,7 +179,10 @@ class Run(StepHooks):
 
     def train_epoch(self) -> None:
         tr = self.trainer
-        state, loader = tr.fit_state, self.train_loader
+        state = tr.fit_state
+        if state.batch_idx == 0 and not state.val_pending and self.reload_due(state.epoch):
+            self.reload_loaders()
+        loader = self.train_loader
         assert loader is not None
         n = tr.num_training_batches
         if state.batch_idx == 0 and not state.val_pending:

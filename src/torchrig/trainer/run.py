@@ -53,6 +53,8 @@ class RunState:
         self.train_loader: Any = None
         #: Makes the fit's training loader when first needed (see :meth:`ensure_train_loader`).
         self.pending_train: Callable[[], Any] | None = None
+        #: Make the fit's training and validation loaders again (``reload_dataloaders_every_n_epochs``).
+        self.reload_sources: tuple[Callable[[], Any], Callable[[], list[Any]]] | None = None
         self.eval_loaders: dict[str, list[Any]] = {"validate": [], "test": [], "predict": []}
         self.train_metrics = MetricStore(device=rig.device, rig=rig)
         self.eval_metrics = MetricStore(device=rig.device, rig=rig)
@@ -204,6 +206,29 @@ class RunState:
         if self.pending_train is not None:
             make, self.pending_train = self.pending_train, None
             self.train_loader = make()
+
+    def reload_due(self, epoch: int) -> bool:
+        """Whether the loaders are asked for again as ``epoch`` starts (every
+        ``reload_dataloaders_every_n_epochs`` epochs; the first epoch's are the fit's own)."""
+        every = self.trainer.reload_dataloaders_every_n_epochs
+        return bool(every) and epoch > 0 and epoch % every == 0
+
+    def reload_loaders(self) -> None:
+        """Ask the datamodule (or module) for the fit's training and validation loaders again."""
+        assert self.reload_sources is not None
+        make_train, make_val = self.reload_sources
+        self.train_loader = make_train()
+        self.eval_loaders["validate"] = make_val()
+
+    def reload_for_resume(self, epoch: int) -> None:
+        """Before a checkpoint of ``epoch`` is loaded: the loaders the uninterrupted fit had in it
+        (asked for at the last reload epoch), so the checkpoint's position goes into them. The
+        draws from torch's RNG this makes (a shuffle seed) are not the uninterrupted fit's, and are
+        undone; the seed comes back with the loader's state."""
+        every = self.trainer.reload_dataloaders_every_n_epochs
+        if every and epoch - epoch % every > 0:
+            with torch.random.fork_rng(devices=[]):
+                self.reload_loaders()
 
     def eval_context(self) -> contextlib.AbstractContextManager[Any]:
         """What validation, test and predict run under: ``torch.inference_mode()`` when

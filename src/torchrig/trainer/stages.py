@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig import speedups
+from torchrig.checkpoint import read_summary
 from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
 from torchrig.clusters import CLUSTER_ENVIRONMENTS
 from torchrig.data import RigDataLoader
@@ -56,7 +57,14 @@ def run_fit_stage(
         custom = overrides(module, TrainingModule, "lr_scheduler_step")
         optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers(), custom)
         tr.run.ensure_train_loader()
-        val = _loaders_of(module, datamodule, val, "val_dataloader")
+        given_val = val
+        val = _loaders_of(module, datamodule, given_val, "val_dataloader")
+        tr.run.reload_sources = (
+            lambda: _train_loader(tr, module, datamodule, train),
+            lambda: _prepare_loaders(
+                tr, _loaders_of(module, datamodule, given_val, "val_dataloader"), "val_dataloaders"
+            ),
+        )
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
         tr.run.check_training_batches()
@@ -443,6 +451,9 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     path = _resolve_path(tr, ckpt_path)
     if path is None:
         return
+    if tr.reload_dataloaders_every_n_epochs:  # the loaders the resumed epoch ran with, before loading their place
+        epoch = read_summary(path).get("epoch")
+        tr.run.reload_for_resume(int(epoch) if isinstance(epoch, int) else 0)
     state = checkpoint_state(tr)
     left = tr.rig.load(path, state)
     _align_batch_index(tr)

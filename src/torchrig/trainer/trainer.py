@@ -103,6 +103,9 @@ class Trainer:
         use_distributed_sampler: with several processes, give each loader a sampler that splits it
             across them (and resumes exactly); False keeps the loaders' own samplers and datasets,
             for loaders that already give each process its share (see :meth:`torchrig.Rig.setup_dataloader`).
+        reload_dataloaders_every_n_epochs: ask the datamodule's (or module's) ``train_dataloader()``
+            and ``val_dataloader()`` again every n epochs (curriculum learning; 0: never); a resumed
+            fit asks for them as the uninterrupted fit did, and resumes exactly.
         enable_autolog_hparams: send the module's ``hparams`` (``save_hyperparameters``) to the
             loggers when a fit starts.
 
@@ -158,6 +161,7 @@ class Trainer:
         inference_mode: bool = True,
         sync_batchnorm: bool = False,
         use_distributed_sampler: bool = True,
+        reload_dataloaders_every_n_epochs: int = 0,
         enable_autolog_hparams: bool = True,
         **lightning_only: Any,
     ) -> None:
@@ -200,6 +204,9 @@ class Trainer:
         self.inference_mode = settings.flag("inference_mode", inference_mode)
         self.sync_batchnorm = settings.flag("sync_batchnorm", sync_batchnorm)
         self.use_distributed_sampler = settings.flag("use_distributed_sampler", use_distributed_sampler)
+        self.reload_dataloaders_every_n_epochs = arguments.int_in_range(
+            "reload_dataloaders_every_n_epochs", reload_dataloaders_every_n_epochs, 0
+        )
         self.enable_autolog_hparams = settings.flag("enable_autolog_hparams", enable_autolog_hparams)
         root = os.getcwd() if default_root_dir is None else arguments.path("default_root_dir", default_root_dir)
         url = as_url(root)
