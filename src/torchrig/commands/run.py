@@ -46,7 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "that commits no checkpoint after one that also committed none stops the job",
     )
     p.add_argument("script", help="the Python script to run")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # Everything after the script is the script's, untouched (its own --max or --ma included).
+    rest = p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    rest.required = False  # argparse counts a REMAINDER as required: "required: script, script_args"
     p.set_defaults(handler=main)
 
 
@@ -128,13 +130,27 @@ def main(args: argparse.Namespace) -> int:
             return 128 + int(err.sigval)
 
 
+def torchrun_config(launch: list[str], script_args: list[str]) -> argparse.Namespace:
+    """torchrun's parsed configuration for ``launch`` (its options, then the script and its arguments).
+
+    torchrun's parser sees only its options and the script: given the script's arguments too, it
+    would read an abbreviation of its own options in them (``--ma``, ``--max``) and fail or take them.
+    """
+    from torch.distributed.run import get_args_parser
+
+    head = launch[: len(launch) - len(script_args)] if script_args else launch
+    config = get_args_parser().parse_args(head)
+    config.training_script_args = list(script_args)
+    return config
+
+
 def launch_workers(args: argparse.Namespace, launch: list[str]) -> int:
     """Run torchrun with ``launch``; 0, or 1 with one line naming the rank that failed first."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
 
     try:
-        run(get_args_parser().parse_args(launch))
+        run(torchrun_config(launch, args.script_args))
     except ChildFailedError as err:
         # torchrun has already stopped the other ranks. The failing rank's traceback is on its
         # stderr, above; torchrun's summary would only repeat it, or, for an error raised before
