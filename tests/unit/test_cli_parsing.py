@@ -67,3 +67,24 @@ def test_run_without_a_script_says_the_script_is_required(capsys: pytest.Capture
         main(["run", "--devices", "2"])
     err = capsys.readouterr().err
     assert "torchrig run: error: the following arguments are required: script\n" in err, err
+
+
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [
+        (["--precision", "17"], "torchrig run: unknown --precision='17'; choose from 32-true, 64-true, 16-mixed,"),
+        (["--strategy", "dpp"], "torchrig run: --strategy='dpp': unknown strategy 'dpp'; known: "),
+        (["--strategy", "single"], "torchrig run: --strategy 'single' runs one process on one device, but 2 device"),
+    ],
+)
+def test_run_checks_every_option_before_starting_a_worker(
+    option: list[str], error: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started = tmp_path / "started"
+    script = tmp_path / "touch.py"
+    script.write_text(f"open({str(started)!r}, 'w').close()\n")
+    assert main(["run", "--devices", "2", "--accelerator", "cpu", *option, str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(error), err
+    assert err.count("\n") == 1, err  # one line, no worker's traceback
+    assert not started.exists()

@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from torchrig.preemption import stopped_for_signal
-from torchrig.resolve import ENV_DEFAULTS, resolve_accelerator, resolve_devices
+from torchrig.resolve import ENV_DEFAULTS, check_launch_choices, resolve_accelerator, resolve_devices
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -52,13 +52,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(handler=main)
 
 
-def process_count(accelerator: str | None, devices: str) -> int:
-    """How many processes ``--devices`` means on this machine for ``--accelerator``."""
-    acc = resolve_accelerator(accelerator or "auto")
-    spec: Any = devices
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        spec = int(devices)
-    return len(resolve_devices(acc, spec))
+def checked_process_count(args: argparse.Namespace) -> int:
+    """How many processes ``--devices`` means on this machine for ``--accelerator``, once every
+    option the workers will read is checked (so a wrong one fails here, not in every worker)."""
+    acc = resolve_accelerator(args.accelerator or "auto")
+    spec: Any = args.devices
+    if isinstance(spec, str) and spec.strip().lstrip("-").isdigit():
+        spec = int(spec)
+    devices = resolve_devices(acc, spec)
+    check_launch_choices(strategy=args.strategy, precision=args.precision, devices=devices, num_nodes=args.num_nodes)
+    return len(devices)
 
 
 def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
@@ -103,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"torchrig run: no such script: {args.script}", file=sys.stderr)
         return 2
     try:
-        nproc = process_count(args.accelerator, args.devices)
+        nproc = checked_process_count(args)
         launch = torchrun_args(args, nproc)
     except ValueError as err:
         print(f"torchrig run: {err}", file=sys.stderr)
