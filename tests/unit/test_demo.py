@@ -296,3 +296,23 @@ def test_demo_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None
     for option in ("--accelerator", "--devices", "--strategy", "--precision", "--max-epochs", "--resume", "--root-dir"):
         assert option in text
     assert "pip install scikit-learn matplotlib (in a clone of torchrig: pip install -e '.[demo]')" in text
+
+
+def test_zero_epochs_are_refused_before_anything_is_made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--max-epochs", "0", "--accelerator", "cpu", "--root-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err == "torchrig demo: max_epochs=0 must be an int >= 1 (--max-epochs: how many epochs to train)\n"
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_demo_that_fails_before_writing_leaves_no_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("the model could not be built")
+
+    monkeypatch.setattr("torchrig.demo.run.DigitsCNN", broken)
+    with pytest.raises(RuntimeError, match="the model could not be built"):
+        cli.main(["demo", "--max-epochs", "1", "--accelerator", "cpu", "--root-dir", str(tmp_path)])
+    assert list((tmp_path / "digits").iterdir()) == []  # no empty version_0
