@@ -309,3 +309,31 @@ def test_an_accelerator_can_carry_fp8_mixed() -> None:
         torchrig.Rig(accelerator=torchrig.CPUAccelerator(precision="fp8-mixed"), precision=spec)
     with pytest.raises(ValueError, match=r"precision='bf16-mixed' was given, but the accelerator 'cpu' carries"):
         torchrig.Rig(accelerator=torchrig.CPUAccelerator(precision=spec), precision="bf16-mixed")
+
+
+@needs_torchao
+@pytest.mark.timeout(120)
+def test_fp8_on_the_cpu_prints_none_of_torchaos_expected_import_noise() -> None:
+    import subprocess
+
+    from conftest import PYTHON, python_env
+
+    code = "import torchrig; torchrig.Rig(accelerator='cpu', precision='fp8-mixed'); print('built')"
+    proc = subprocess.run([PYTHON, "-c", code], env=python_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0 and proc.stdout == "built\n", proc.stderr
+    # torchao 0.18 logged "Failed to load .../torchao/_C_mxfp8...so" and torch's Enum deprecation here
+    assert "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr, proc.stderr
+
+
+def test_only_the_expected_import_messages_are_dropped() -> None:
+    import logging
+    import os
+
+    def kept(text: str) -> bool:
+        record = logging.LogRecord("torchao", logging.WARNING, __file__, 1, text, None, None)
+        return fp8_mod._ExpectedImportNoise().filter(record)
+
+    assert not kept(f"Failed to load {os.sep}site-packages{os.sep}torchao{os.sep}_C_mxfp8.so: Could not load")
+    assert not kept("<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile")
+    assert kept(f"Failed to load {os.sep}elsewhere{os.sep}mine.so: missing")  # not torchao's own kernels
+    assert kept("Skipping import of cpp extensions due to incompatible torch version")
