@@ -88,3 +88,39 @@ def test_run_checks_every_option_before_starting_a_worker(
     assert err.startswith(error), err
     assert err.count("\n") == 1, err  # one line, no worker's traceback
     assert not started.exists()
+
+
+@pytest.mark.timeout(60)
+def test_help_and_version_import_no_torch() -> None:
+    import subprocess
+
+    from conftest import python_env
+
+    code = (
+        "import sys\n"
+        "from torchrig.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['run', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=python_env(), capture_output=True, text=True, timeout=50, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("torchrig 0.1.0\nusage: torchrig [-h] [--version] COMMAND ...\n"), proc.stdout
+    assert "usage: torchrig run [-h]" in proc.stdout
+    assert proc.stdout.endswith("torch imported: False\n"), proc.stdout
+
+
+def test_the_public_names_load_on_first_use() -> None:
+    import torchrig
+    import torchrig.resolve  # the module of the same name does not hide the function
+
+    assert callable(torchrig.resolve) and torchrig.resolve.__module__ == "torchrig.resolve"
+    assert {name: getattr(torchrig, name) for name in torchrig.__all__}  # every name resolves
+    assert set(torchrig.__all__) <= set(dir(torchrig))
+    with pytest.raises(AttributeError, match="module 'torchrig' has no attribute 'Rigg'"):
+        torchrig.Rigg  # noqa: B018

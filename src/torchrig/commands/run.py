@@ -20,9 +20,6 @@ import signal
 import sys
 from typing import Any
 
-from torchrig.preemption import stopped_for_signal
-from torchrig.resolve import ENV_DEFAULTS, check_launch_choices, resolve_accelerator, resolve_devices
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
@@ -55,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def checked_process_count(args: argparse.Namespace) -> int:
     """How many processes ``--devices`` means on this machine for ``--accelerator``, once every
     option the workers will read is checked (so a wrong one fails here, not in every worker)."""
+    from torchrig.resolve import check_launch_choices, resolve_accelerator, resolve_devices
+
     acc = resolve_accelerator(args.accelerator or "auto")
     spec: Any = args.devices
     if isinstance(spec, str) and spec.strip().lstrip("-").isdigit():
@@ -86,6 +85,8 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
 
 def script_env(args: argparse.Namespace) -> dict[str, str]:
     """The ``TORCHRIG_*`` defaults the script's ``Rig()``/``Trainer()`` will read."""
+    from torchrig.resolve import ENV_DEFAULTS
+
     env = {ENV_DEFAULTS["devices"]: str(args.devices), ENV_DEFAULTS["num_nodes"]: str(args.num_nodes)}
     for name in ("accelerator", "strategy", "precision"):
         value = getattr(args, name)
@@ -151,6 +152,8 @@ def launch_workers(args: argparse.Namespace, launch: list[str]) -> int:
     """Run torchrun with ``launch``; 0, or 1 with one line naming the rank that failed first."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
+
+    from torchrig.preemption import stopped_for_signal
 
     try:
         run(torchrun_config(launch, args.script_args))
