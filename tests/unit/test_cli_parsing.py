@@ -24,6 +24,7 @@ def test_everything_after_the_script_is_the_scripts() -> None:
     assert (config.nproc_per_node, config.max_restarts, config.standalone) == ("2", 1, True)
 
 
+@pytest.mark.distributed  # torchrun and its worker process
 @pytest.mark.timeout(120)
 def test_torchrig_run_hands_the_script_its_own_options(tmp_path: Path) -> None:
     import subprocess
