@@ -212,6 +212,7 @@ def summary(stdout: str) -> dict[str, str]:
     return {m[1].strip(): m[2].strip() for m in re.finditer(r"^ *([a-z ]+):\s+(.*)$", stdout, re.M)}
 
 
+@pytest.mark.slow  # a new interpreter training the demo: 5.3 s of CPU (measured on the shared 2-core machine)
 @pytest.mark.timeout(120)
 def test_demo_end_to_end_in_a_subprocess(tmp_path: Path) -> None:
     done = run_demo_command("--max-epochs", "2", "--accelerator", "cpu", cwd=tmp_path)

@@ -250,6 +250,7 @@ def _train(precision: object, steps: int = 25, **rig_kwargs: object) -> tuple[li
     return [float(v) for v in losses], model
 
 
+@pytest.mark.slow  # two trainings: 5.1 s of CPU (measured on the shared 2-core machine)
 @needs_cpu_fp8
 def test_training_follows_bf16_mixed_within_tolerance() -> None:
     bf16, _ = _train("bf16-mixed")
@@ -311,6 +312,7 @@ def test_an_accelerator_can_carry_fp8_mixed() -> None:
         torchrig.Rig(accelerator=torchrig.CPUAccelerator(precision=spec), precision="bf16-mixed")
 
 
+@pytest.mark.slow  # a new interpreter importing torch and torchao: 3.5 s of CPU (measured on the shared 2-core machine)
 @needs_torchao
 @pytest.mark.timeout(120)
 def test_fp8_on_the_cpu_prints_none_of_torchaos_expected_import_noise() -> None:
