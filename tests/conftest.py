@@ -128,9 +128,13 @@ def printed_json(text: str) -> list[Any]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests under tests/gpu are marked ``gpu`` and skipped cleanly without an accelerator."""
+    """Tests under tests/gpu are marked ``gpu`` and skipped cleanly without an accelerator; tests
+    that start real processes (``distributed``) are also ``slow``: ``pytest -m "not slow"`` is
+    the quick part of the suite (README), ``pytest`` (and .ci/run) everything."""
     has_accelerator = torch.accelerator.is_available()
     for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.slow)
         if "/tests/gpu/" in str(item.path).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)
             if not has_accelerator:

@@ -16,10 +16,29 @@ from typing import Any
 COMMANDS = ("env", "run", "demo", "plot", "checkpoint", "plan")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The parser of ``torchrig`` and of each subcommand (``add_subparsers`` makes its parsers of
+    the parent's class): options are never abbreviated (``--max-epoch`` is not ``--max-epochs``,
+    and a script's ``--ma`` after ``torchrig run script.py`` stays the script's), and an argument
+    no parser knows is refused by the subcommand that got it, with that subcommand's usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:  # argparse would hand them up to the top-level parser, whose usage says nothing of them
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     from torchrig import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="torchrig", description="Run one PyTorch training program on any hardware and any number of processes."
     )
     parser.add_argument("--version", action="version", version=f"torchrig {__version__}")

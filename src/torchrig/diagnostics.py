@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -122,3 +125,18 @@ def explain(err: BaseException, module: nn.Module, args: Any, kwargs: Any, devic
         f"{_fmt(_group(state + inputs))}\n"
         "  Likely fix: " + "\n  Also: ".join(fixes)
     )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointing at the line outside torchrig that led here (the user's
+    ``trainer.fit(...)``), however deep in torchrig it is raised: Python 3.12's
+    ``skip_file_prefixes``, for every Python torchrig supports."""
+    frame = sys._getframe(1)
+    level = 2  # the frame that called this function
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

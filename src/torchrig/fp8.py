@@ -22,6 +22,8 @@ See docs/speed.md.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -74,8 +76,26 @@ class FP8Mixed:
             )
 
 
+class _ExpectedImportNoise(logging.Filter):
+    """What importing torchao logs that says nothing about this run: the kernels built for another
+    torch or device that this torch build cannot load (``Failed to load .../torchao/_C_mxfp8...``),
+    and torch's deprecation of the Enum registration torchao still makes. Anything else passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        own_kernel = text.startswith("Failed to load ") and f"torchao{os.sep}_C" in text
+        return not (own_kernel or "is an Enum subclass and is now natively supported" in text)
+
+
+#: The loggers of those messages: torchao's import, and torch's pytree registry it calls.
+_NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def require_torchao() -> ModuleType:
     """``torchao.float8``, or an error saying how to install torchao."""
+    loggers, quiet = [logging.getLogger(name) for name in _NOISY_LOGGERS], _ExpectedImportNoise()
+    for logger in loggers:
+        logger.addFilter(quiet)
     try:
         return importlib.import_module("torchao.float8")
     except ImportError as err:
@@ -85,6 +105,9 @@ def require_torchao() -> ModuleType:
             "`pip install -e '.[fp8]'`), or use precision='bf16-mixed'",
             name="torchao",
         ) from err
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
 
 
 def _probe_scaled_mm(device: torch.device) -> str | None:

@@ -47,12 +47,24 @@ def normalize_precision(precision: Any) -> str:
         )
     name = ALIASES.get(str(precision), str(precision))
     if name not in NAMES and name != "auto":
-        import difflib
-
-        hint = difflib.get_close_matches(name, NAMES + tuple(ALIASES), n=1)
-        extra = f" Did you mean {hint[0]!r}?" if hint else ""
+        hint = _suggestion(name)
+        extra = f" Did you mean {hint!r}?" if hint else ""
         raise ValueError(f"unknown precision={precision!r}; choose from {', '.join(NAMES)} or 'auto'.{extra}")
     return name
+
+
+def _suggestion(name: str) -> str | None:
+    """The name an unknown precision most likely means, always a canonical one: dtype spellings of
+    other tools read as torchrig's (``fp16``/``float16`` -> ``16-mixed``, ``bfloat16`` ->
+    ``bf16-mixed``, ``fp32`` -> ``32-true``), else the closest name."""
+    import difflib
+
+    bare = name.strip().lower().replace("bfloat", "bf").replace("float", "").replace("fp", "")
+    bare = ALIASES.get(bare, bare)
+    if bare in NAMES:
+        return bare
+    close = difflib.get_close_matches(name, NAMES + tuple(ALIASES), n=1)
+    return ALIASES.get(close[0], close[0]) if close else None
 
 
 def _probe_dtype(device_type: str, dtype: torch.dtype) -> bool:

@@ -152,6 +152,24 @@ def resolve_precision(precision: Any, device_type: str) -> Precision:
     return Precision(name=precision, device_type=device_type)
 
 
+def check_launch_choices(*, strategy: Any, precision: Any, devices: list[torch.device], num_nodes: int) -> None:
+    """What a launcher checks before it starts any process, without touching a device: the
+    precision's name, and the strategy's name and whether it fits ``devices`` x ``num_nodes``.
+    ``None`` is not given (the script decides). Errors name the option (``--precision``).
+
+    Raises:
+        ValueError: an unknown name, or a strategy that cannot run on these devices.
+    """
+    if precision is not None:
+        _checked("precision", precision, "--precision")
+    if strategy is not None:
+        name = _checked("strategy", strategy, "--strategy")
+        try:
+            resolve_strategy(name, devices, num_nodes)
+        except ValueError as err:
+            raise ValueError(str(err).replace("strategy=", "--strategy ", 1)) from None
+
+
 # -- what an accelerator carries ----------------------------------------------------------
 # ``CPUAccelerator(precision="bf16-mixed", strategy="ddp")``: the Accelerator documents hand the
 # Trainer one object holding its precision and training-type plugins. Rig/Trainer use what the

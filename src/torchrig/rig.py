@@ -31,6 +31,7 @@ from torchrig.preemption import SignalsLike, SignalWatch, resolve_signals
 from torchrig.resolve import Plan, resolve
 from torchrig.strategies import Strategy
 from torchrig.strategies.base import check_reduce_op, reset_parameters
+from torchrig.strategies.launch import launch_first
 from torchrig.wrappers import RigModule, RigOptimizer, as_prepared, wrap_optimizer
 
 if TYPE_CHECKING:
@@ -194,6 +195,8 @@ class Rig:
         """
         if not objs:
             raise ValueError("prepare() needs at least one module, optimizer, dataloader or scheduler")
+        if not self._launched:
+            raise RuntimeError(launch_first(self.strategy, "rig.prepare()"))
         for obj in objs:
             self._check_preparable(obj)
         out: list[Any] = list(objs)

@@ -120,8 +120,17 @@ def test_fsdp_wrap_policy_is_classes_or_a_function() -> None:
 def test_spawn_strategies_wait_for_launch() -> None:
     rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp_spawn")
     assert rig.strategy.needs_launch and rig.world_size == 2 and rig.global_rank == 0
-    with pytest.raises(RuntimeError, match=r"starts its processes in rig.launch\(fn\)"):
+    launch_first = (
+        r"needs the processes that DDPStrategy\(start_method='spawn'\) \(ddp_spawn, ddp_notebook\) starts in "
+        r"rig.launch\(fn\): "
+    )
+    with pytest.raises(RuntimeError, match=rf"^joining the process group {launch_first}"):
         rig.strategy.setup_environment()
+    # one process too: prepare() before launch said only "Default process group has not been initialized"
+    one = torchrig.Rig(accelerator="cpu", devices=1, strategy="ddp_spawn")
+    expected = rf"^rig.prepare\(\) {launch_first}put the training in a function fn\(rig, ...\) and call rig.launch"
+    with pytest.raises(RuntimeError, match=expected):
+        one.prepare(nn.Linear(2, 2))
 
 
 def test_a_process_torchrun_started_on_the_cpu_computes_there(monkeypatch: pytest.MonkeyPatch) -> None:

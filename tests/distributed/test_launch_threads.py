@@ -65,6 +65,15 @@ def test_spawned_and_forked_workers_share_the_cores() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(100)
+def test_one_spawned_worker_runs_the_threads_its_script_chose() -> None:
+    # torchrig demo --strategy ddp_spawn sets one thread, then spawns one worker (issue 30, item 9)
+    seen = _layouts([sys.executable, str(SCRIPTS / "threads.py"), "one"], omp=None)
+    assert seen["parent"]["threads"][0] > 1, "needs 2 cores to tell one thread from the default"
+    assert seen["ddp_spawn"]["threads"] == [1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(100)
 def test_processes_started_by_ddp_and_torchrig_run_share_the_cores() -> None:
     script = str(SCRIPTS / "threads.py")
     seen = _layouts([sys.executable, script, "ddp"], omp=None)

@@ -11,6 +11,7 @@ import pytest
 from dist_helpers import SCRIPTS, explain, run
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_global_samples_are_local_times_world_and_items_are_summed_over_ranks(tmp_path: Path, strategy: str) -> None:

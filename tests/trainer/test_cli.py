@@ -225,3 +225,18 @@ def test_help_is_plain_text_without_sphinx_markup(capsys: pytest.CaptureFixture[
     assert "hardware, as for Rig (" in " ".join(out.split())
     for markup in (":class:", ":func:", ":meth:", ":attr:", "``"):
         assert markup not in out
+
+
+@pytest.mark.timeout(60)
+def test_a_fit_that_fails_before_writing_leaves_no_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("JSONARGPARSE_DEBUG", raising=False)
+    common = ["--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(SystemExit) as exit_info:
+        CLI(Regressor, Line, args=["fit", f"--ckpt_path={tmp_path / 'missing'}", *common])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.startswith("error: FileNotFoundError: ")
+    assert list((tmp_path / "torchrig_logs").iterdir()) == []  # not a version_0 holding only config.yaml
+    CLI(Regressor, Line, args=["fit", "--trainer.max_epochs=1", *common])  # a run that trains keeps it
+    assert (tmp_path / "torchrig_logs" / "version_0" / "config.yaml").is_file()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from trainer_helpers import Regressor, loader, subprocess_env
 
 import torchrig
@@ -22,9 +23,7 @@ from torchrig.trainer.loggers import read_metrics
 
 def _trainer(root: Path, **kwargs: Any) -> torchrig.Trainer:
     """The Trainer's defaults (CSV logger, default checkpointing) on the CPU, without the bar."""
-    return torchrig.Trainer(
-        accelerator="cpu", devices=1, enable_progress_bar=False, default_root_dir=root, **kwargs
-    )
+    return torchrig.Trainer(accelerator="cpu", devices=1, enable_progress_bar=False, default_root_dir=root, **kwargs)
 
 
 def _last(root: Path, version: int) -> Path:
@@ -72,24 +71,39 @@ def test_last_with_no_earlier_run_warns_and_starts_fresh(tmp_path: Path) -> None
     assert trainer.global_step == 2
 
 
+class _Silent(Regressor):
+    """Logs nothing: no step value can be lost."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+
 @pytest.mark.timeout(30)
 def test_a_fit_shorter_than_log_every_n_steps_warns(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, max_epochs=4, accumulate_grad_batches=2)  # log_every_n_steps=50
     with pytest.warns(UserWarning) as got:
         trainer.fit(Regressor(), loader(24))  # 6 batches: 3 optimizer steps an epoch, 12 in all
-    messages = [str(w.message) for w in got if "log_every_n_steps" in str(w.message)]
-    assert messages == [
-        "this fit has 12 optimizer steps, fewer than Trainer(log_every_n_steps=50): no value logged per step "
-        "reaches the loggers; set log_every_n_steps=12 or lower, or log with on_epoch=True"
+    warned = [w for w in got if "log_every_n_steps" in str(w.message)]
+    assert [str(w.message) for w in warned] == [
+        "this fit ran 12 optimizer steps, fewer than Trainer(log_every_n_steps=50): the values logged per step "
+        "(train_loss) never reached the loggers; set log_every_n_steps=12 or lower, or log with on_epoch=True"
     ]
+    assert warned[0].filename == __file__  # the user's trainer.fit line, not torchrig's
     assert not (tmp_path / "torchrig_logs" / "version_0" / "metrics.csv").exists()  # nothing was logged
-    with pytest.warns(UserWarning, match=r"this fit has 7 optimizer steps, fewer than Trainer\(log_every_n_steps=50\)"):
+    with pytest.warns(UserWarning, match=r"this fit ran 7 optimizer steps, fewer than Trainer\(log_every_n_steps=50\)"):
         _trainer(tmp_path, max_steps=7).fit(Regressor(), loader(24))  # max_epochs unset: max_steps counts
-    quiet: list[dict[str, Any]] = [{"log_every_n_steps": 12}, {"logger": False}, {"max_epochs": 17}]
-    for kwargs in quiet:  # 12 steps log once; nothing to log to; 51 steps log once
+    quiet: list[tuple[dict[str, Any], type[Regressor]]] = [
+        ({"log_every_n_steps": 12}, Regressor),  # 12 steps log once
+        ({"logger": False}, Regressor),  # nothing to log to
+        ({"max_epochs": 17}, Regressor),  # 51 steps log once
+        ({}, _Silent),  # the module logs nothing
+        ({"max_steps": 0}, Regressor),  # nothing trained: log_every_n_steps=0 is no advice
+    ]
+    for kwargs, module in quiet:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            _trainer(tmp_path, **{"max_epochs": 4, "accumulate_grad_batches": 2, **kwargs}).fit(Regressor(), loader(24))
+            _trainer(tmp_path, **{"max_epochs": 4, "accumulate_grad_batches": 2, **kwargs}).fit(module(), loader(24))
 
 
 DDP_SCRIPT = r"""
@@ -118,7 +132,10 @@ def test_two_processes_agree_on_the_run_folder_and_resume_the_newest_run(tmp_pat
     for epochs in (1, 2):
         done = subprocess.run(
             [sys.executable, str(script), str(root), str(epochs)],
-            env=subprocess_env(), capture_output=True, text=True, timeout=100,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=100,
         )
         assert done.returncode == 0, done.stderr
     # Found, not split into lines: the two ranks print at once, unbuffered (see conftest.printed_json).

@@ -252,7 +252,7 @@ def test_fp8_settings_are_part_of_the_precision() -> None:
 
 # -- bad input -------------------------------------------------------------------------------
 def test_bad_carried_values_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match=r"unknown precision='bf17'.*Did you mean 'bf16'"):
+    with pytest.raises(ValueError, match=r"unknown precision='bf17'.*Did you mean 'bf16-mixed'"):
         CPUAccelerator(precision="bf17")
     with pytest.raises(ValueError, match="unknown precision_plugin='bf17'"):
         CPUAccelerator(precision_plugin="bf17")

@@ -66,6 +66,7 @@ def _ratio(text: str, row: str) -> float:
     return float(found.group(1))
 
 
+@pytest.mark.slow  # a benchmark run: 3.6 s of CPU (measured on the shared 2-core machine)
 def test_trainer_steps_benchmark_measures_every_configuration() -> None:
     out = _bench("trainer_steps.py", "--rounds", "1", "--steps", "150", "--flush-epochs", "1", "--markdown")
     for row in ("torchrig Trainer (defaults)", "torchrig Trainer no ckpt", "torchrig Trainer lean"):
@@ -73,6 +74,7 @@ def test_trainer_steps_benchmark_measures_every_configuration() -> None:
     assert "command: python benchmarks/trainer_steps.py --workload small --rounds 1 --steps 150" in out
 
 
+@pytest.mark.slow  # a benchmark run: 4.7 s of CPU (measured on the shared 2-core machine)
 def test_trainer_parts_suite_times_each_part_against_the_hand_written_loop() -> None:
     out = _bench("overhead.py", "--suite", "trainer-parts", "--workload", "small", "--repeats", "1", "--markdown")
     rows = ("torchrig Trainer lean", "bar only", "checkpointing only", "logger only", "torchrig Trainer")

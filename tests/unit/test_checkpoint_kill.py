@@ -112,6 +112,7 @@ def _kill_everywhere(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
     return result
 
 
+@pytest.mark.slow  # a killed process per step: 2.2 s of CPU each (measured on the shared 2-core machine)
 @pytest.mark.timeout(110)
 @pytest.mark.parametrize("mode", ["exchange", "fallback", "async"])
 def test_a_kill_at_every_step_of_a_replacing_save_never_loses_last(tmp_path: Path, mode: str) -> None:

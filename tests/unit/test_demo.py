@@ -212,6 +212,7 @@ def summary(stdout: str) -> dict[str, str]:
     return {m[1].strip(): m[2].strip() for m in re.finditer(r"^ *([a-z ]+):\s+(.*)$", stdout, re.M)}
 
 
+@pytest.mark.slow  # a new interpreter training the demo: 5.3 s of CPU (measured on the shared 2-core machine)
 @pytest.mark.timeout(120)
 def test_demo_end_to_end_in_a_subprocess(tmp_path: Path) -> None:
     done = run_demo_command("--max-epochs", "2", "--accelerator", "cpu", cwd=tmp_path)
@@ -296,3 +297,23 @@ def test_demo_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None
     for option in ("--accelerator", "--devices", "--strategy", "--precision", "--max-epochs", "--resume", "--root-dir"):
         assert option in text
     assert "pip install scikit-learn matplotlib (in a clone of torchrig: pip install -e '.[demo]')" in text
+
+
+def test_zero_epochs_are_refused_before_anything_is_made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--max-epochs", "0", "--accelerator", "cpu", "--root-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err == "torchrig demo: max_epochs=0 must be an int >= 1 (--max-epochs: how many epochs to train)\n"
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_demo_that_fails_before_writing_leaves_no_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("the model could not be built")
+
+    monkeypatch.setattr("torchrig.demo.run.DigitsCNN", broken)
+    with pytest.raises(RuntimeError, match="the model could not be built"):
+        cli.main(["demo", "--max-epochs", "1", "--accelerator", "cpu", "--root-dir", str(tmp_path)])
+    assert list((tmp_path / "digits").iterdir()) == []  # no empty version_0

@@ -111,6 +111,7 @@ def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "module 'torchrig.demo.transformer' has no 'nothing'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a fake forward and backward for every rank: 2.9 s of CPU (measured on the shared 2-core machine)
 def test_a_fake_forward_and_backward_checks_the_plan_against_the_model(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

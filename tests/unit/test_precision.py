@@ -134,6 +134,21 @@ def test_unknown_precision_lists_choices_and_suggests() -> None:
         Precision(name=1.5, device_type="cpu")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [
+        ("fp16", "16-mixed"),
+        ("float16", "16-mixed"),
+        ("bfloat16", "bf16-mixed"),
+        ("fp32", "32-true"),
+        ("bf17", "bf16-mixed"),
+    ],
+)
+def test_other_tools_dtype_spellings_suggest_the_canonical_name(given: str, meant: str) -> None:
+    with pytest.raises(ValueError, match=rf"unknown precision='{given}'; choose from .* Did you mean '{meant}'\?$"):
+        normalize_precision(given)
+
+
 def test_unsupported_precision_errors_with_what_the_device_supports(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision_mod, "supported_precisions", lambda device_type: ["32-true", "64-true"])
     with pytest.raises(

@@ -20,9 +20,6 @@ import signal
 import sys
 from typing import Any
 
-from torchrig.preemption import stopped_for_signal
-from torchrig.resolve import ENV_DEFAULTS, resolve_accelerator, resolve_devices
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
@@ -46,17 +43,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "that commits no checkpoint after one that also committed none stops the job",
     )
     p.add_argument("script", help="the Python script to run")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # Everything after the script is the script's, untouched (its own --max or --ma included).
+    rest = p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    rest.required = False  # argparse counts a REMAINDER as required: "required: script, script_args"
     p.set_defaults(handler=main)
 
 
-def process_count(accelerator: str | None, devices: str) -> int:
-    """How many processes ``--devices`` means on this machine for ``--accelerator``."""
-    acc = resolve_accelerator(accelerator or "auto")
-    spec: Any = devices
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        spec = int(devices)
-    return len(resolve_devices(acc, spec))
+def checked_process_count(args: argparse.Namespace) -> int:
+    """How many processes ``--devices`` means on this machine for ``--accelerator``, once every
+    option the workers will read is checked (so a wrong one fails here, not in every worker)."""
+    from torchrig.resolve import check_launch_choices, resolve_accelerator, resolve_devices
+
+    acc = resolve_accelerator(args.accelerator or "auto")
+    spec: Any = args.devices
+    if isinstance(spec, str) and spec.strip().lstrip("-").isdigit():
+        spec = int(spec)
+    devices = resolve_devices(acc, spec)
+    check_launch_choices(strategy=args.strategy, precision=args.precision, devices=devices, num_nodes=args.num_nodes)
+    return len(devices)
 
 
 def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
@@ -81,6 +85,8 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
 
 def script_env(args: argparse.Namespace) -> dict[str, str]:
     """The ``TORCHRIG_*`` defaults the script's ``Rig()``/``Trainer()`` will read."""
+    from torchrig.resolve import ENV_DEFAULTS
+
     env = {ENV_DEFAULTS["devices"]: str(args.devices), ENV_DEFAULTS["num_nodes"]: str(args.num_nodes)}
     for name in ("accelerator", "strategy", "precision"):
         value = getattr(args, name)
@@ -101,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"torchrig run: no such script: {args.script}", file=sys.stderr)
         return 2
     try:
-        nproc = process_count(args.accelerator, args.devices)
+        nproc = checked_process_count(args)
         launch = torchrun_args(args, nproc)
     except ValueError as err:
         print(f"torchrig run: {err}", file=sys.stderr)
@@ -128,13 +134,29 @@ def main(args: argparse.Namespace) -> int:
             return 128 + int(err.sigval)
 
 
+def torchrun_config(launch: list[str], script_args: list[str]) -> argparse.Namespace:
+    """torchrun's parsed configuration for ``launch`` (its options, then the script and its arguments).
+
+    torchrun's parser sees only its options and the script: given the script's arguments too, it
+    would read an abbreviation of its own options in them (``--ma``, ``--max``) and fail or take them.
+    """
+    from torch.distributed.run import get_args_parser
+
+    head = launch[: len(launch) - len(script_args)] if script_args else launch
+    config = get_args_parser().parse_args(head)
+    config.training_script_args = list(script_args)
+    return config
+
+
 def launch_workers(args: argparse.Namespace, launch: list[str]) -> int:
     """Run torchrun with ``launch``; 0, or 1 with one line naming the rank that failed first."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
+
+    from torchrig.preemption import stopped_for_signal
 
     try:
-        run(get_args_parser().parse_args(launch))
+        run(torchrun_config(launch, args.script_args))
     except ChildFailedError as err:
         # torchrun has already stopped the other ranks. The failing rank's traceback is on its
         # stderr, above; torchrun's summary would only repeat it, or, for an error raised before

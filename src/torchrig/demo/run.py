@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from torchrig.arguments import int_in_range
 from torchrig.checkpoint.entries import module_counts
 from torchrig.checkpoint.files import resolve_checkpoint
 from torchrig.checkpoint.reading import read_meta
@@ -21,7 +22,7 @@ from torchrig.demo.plot import plot_learning_curves
 from torchrig.devices import device_module
 from torchrig.trainer import Callback, ModelCheckpoint, Trainer, TrainingModule
 from torchrig.trainer.checkpointing import CHECKPOINTS, newest_run_with_last
-from torchrig.trainer.loggers import CSVLogger, next_version_dir
+from torchrig.trainer.loggers import CSVLogger, discarded_on_failure, next_version_dir
 
 #: Runs live in ``<root_dir>/<RUN_NAME>/version_N``.
 RUN_NAME = "digits"
@@ -192,6 +193,7 @@ def run_demo(
         >>> # result = run_demo(max_epochs=2, root_dir="/tmp/demo"); result.test_accuracy
     """
     started = time.perf_counter() if started is None else started
+    int_in_range("max_epochs", max_epochs, 1, hint=" (--max-epochs: how many epochs to train)")
     root = Path(root_dir)
     saved = _saved_settings(root) if resume else {}
     if precision == "auto" and saved.get("precision"):  # a resumed run keeps its precision unless told
@@ -209,8 +211,16 @@ def run_demo(
         seed=seed,
         enable_model_summary=False,  # its first line names the model and its parameter count
     )
-    spawned = trainer.rig.strategy.needs_launch  # callbacks then run in the workers, not here
     run_dir = _attach_run_dir(trainer, root, resume)
+    # A new run that fails before writing anything leaves no empty version_N behind.
+    with discarded_on_failure(None if resume or not trainer.is_global_zero else run_dir):
+        return _train(trainer, run_dir, saved, resume=resume, seed=seed, plot=plot, started=started)
+
+
+def _train(
+    trainer: Trainer, run_dir: Path, saved: dict[str, Any], *, resume: bool, seed: int, plot: bool, started: float
+) -> DemoResult | None:
+    spawned = trainer.rig.strategy.needs_launch  # callbacks then run in the workers, not here
     first_epoch = _FirstEpoch(resumed=resume)
     trainer.callbacks.insert(0, first_epoch)
     trainer.rig.seed_everything(seed)  # before the model exists: its initial weights come from the seed

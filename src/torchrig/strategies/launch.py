@@ -62,6 +62,16 @@ def script_command() -> list[str]:
     return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
 
 
+def launch_first(strategy: Any, call: str) -> str:
+    """What ``call`` says when it runs before ``rig.launch(fn)`` started the processes of a
+    ``spawn``/``fork`` strategy (``ddp_spawn``, ``ddp_notebook``)."""
+    return (
+        f"{call} needs the processes that {strategy!r} (ddp_spawn, ddp_notebook) starts in rig.launch(fn): put "
+        "the training in a function fn(rig, ...) and call rig.launch(fn), which runs it in every process; or use "
+        "strategy='ddp', which runs the whole script in every process"
+    )
+
+
 def worker_threads(local_processes: int) -> int | None:
     """Intra-op CPU threads for each of ``local_processes`` processes torchrig starts on this machine.
 
@@ -77,6 +87,20 @@ def worker_threads(local_processes: int) -> int | None:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, cores // local_processes)
+
+
+def spawned_threads(local_processes: int) -> int:
+    """Intra-op CPU threads for each of ``local_processes`` workers this process spawns or forks.
+
+    What this process runs with (a ``torch.set_num_threads`` it made, which a new process would
+    not inherit) and never more than :func:`worker_threads` shares out: one spawned worker of a
+    script that chose one thread runs on one thread too.
+    """
+    import torch
+
+    own = torch.get_num_threads()
+    share = worker_threads(local_processes)
+    return own if share is None else min(own, share)
 
 
 def thread_env(threads: int | None) -> dict[str, str]:
@@ -381,7 +405,7 @@ def spawn(
         "node_rank": node_rank,
         "addr": addr,
         "port": port,
-        "threads": worker_threads(num_processes),
+        "threads": spawned_threads(num_processes),
     }
     import pickle
     import shutil

@@ -24,7 +24,13 @@ from torchrig.clusters import ClusterEnvironment, detect_environment
 from torchrig.dtensors import whole
 from torchrig.strategies.base import Strategy, check_reduce_op
 from torchrig.strategies.hangs import collective
-from torchrig.strategies.launch import SubprocessLauncher, install_failure_report, spawn, watch_parent
+from torchrig.strategies.launch import (
+    SubprocessLauncher,
+    install_failure_report,
+    launch_first,
+    spawn,
+    watch_parent,
+)
 from torchrig.strategies.shutdown import settle_at_exit
 
 START_METHODS = ("popen", "spawn", "fork")
@@ -141,10 +147,7 @@ class ParallelStrategy(Strategy):
         env = detect_environment()
         if not env.launched:
             if self.start_method != "popen":
-                raise RuntimeError(
-                    f"strategy={self.name!r} with start_method={self.start_method!r} starts its processes in "
-                    "rig.launch(fn); call rig.launch(fn) instead of using the Rig directly"
-                )
+                raise RuntimeError(launch_first(self, "joining the process group"))
             self._launcher = SubprocessLauncher(
                 num_processes=self.num_processes,
                 num_nodes=self.num_nodes,

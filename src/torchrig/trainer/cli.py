@@ -165,10 +165,12 @@ class CLI:
         self.model: Any = self.config_init["model"]
         self.datamodule: Any = self.config_init.get("data")
         if self.subcommand is not None:
-            if self.subcommand == "fit":
-                self._save_config(parser, section)
+            config_dir = self._save_config(parser, section) if self.subcommand == "fit" else None
+            from torchrig.trainer.loggers import discarded_on_failure
+
             try:
-                self.result = self._run(self.subcommand, section.get("ckpt_path"))
+                with discarded_on_failure(config_dir, CONFIG_FILE):  # a fit that failed before writing anything
+                    self.result = self._run(self.subcommand, section.get("ckpt_path"))
             except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as err:
                 # What the run refused (validate --ckpt_path=best from a new process, predict with
                 # no predict_dataloader): the message, not a traceback through the loops. Other
@@ -221,14 +223,16 @@ class CLI:
         return cfg
 
     # -- running ---------------------------------------------------------------------------
-    def _save_config(self, parser: ArgumentParser, section: Namespace) -> None:
+    def _save_config(self, parser: ArgumentParser, section: Namespace) -> Path | None:
         """Write the resolved configuration of a fit next to its metrics: ``<log_dir>/config.yaml``
-        (global rank zero; nothing without a logger), so ``--config`` can repeat the run."""
+        (global rank zero; nothing without a logger), so ``--config`` can repeat the run. Returns
+        the directory written to (None when nothing was written)."""
         logger = getattr(self.trainer, "logger", None)
         if logger is None or not getattr(self.trainer, "is_global_zero", True) or logger.log_dir is None:
-            return
+            return None
         text = parser.dump(section, skip_none=False, skip_validation=True)
         (Path(logger.log_dir) / CONFIG_FILE).write_text(text)
+        return Path(logger.log_dir)
 
     def _run(self, subcommand: str, ckpt_path: str | None) -> Any:
         method = getattr(self.trainer, subcommand)

@@ -11,12 +11,13 @@ per-step sync. Only global rank zero writes.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,32 @@ def next_version_dir(parent: str | os.PathLike[str]) -> Path:
             return path
         except FileExistsError:
             version += 1
+
+
+@contextlib.contextmanager
+def discarded_on_failure(path: str | os.PathLike[str] | None, *ours: str) -> Iterator[None]:
+    """Run the block; if it raises, remove the run directory ``path`` when the run wrote nothing
+    in it: it holds nothing, or only ``ours`` (files written before the run started, like the
+    CLI's ``config.yaml``). A directory holding anything else is kept; ``None`` is nothing to do.
+    """
+    try:
+        yield
+    except BaseException:
+        if path is not None:
+            _discard_unused(Path(path), ours)
+        raise
+
+
+def _discard_unused(path: Path, ours: tuple[str, ...]) -> None:
+    try:
+        entries = list(path.iterdir())
+    except OSError:  # gone already, or never made
+        return
+    if any(entry.name not in ours or not entry.is_file() for entry in entries):
+        return
+    for entry in entries:
+        entry.unlink()
+    path.rmdir()
 
 
 class _RunDir:

@@ -20,6 +20,7 @@ from torchrig.checkpoint import read_summary
 from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
 from torchrig.clusters import CLUSTER_ENVIRONMENTS
 from torchrig.data import RigDataLoader
+from torchrig.diagnostics import warn_at_caller
 from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, restart_count
 from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
@@ -68,7 +69,6 @@ def run_fit_stage(
         out = tr.rig.prepare(*optimizers)
         tr.optimizers = list(out) if isinstance(out, tuple) else [out]
         tr.run.check_training_batches()
-        _warn_if_steps_are_not_logged(tr)
         tr.run.eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
         tr.fit_state, tr.should_stop, tr.run.resumed, tr.run.resumed_from = loops.FitState(), False, False, None
         tr.run.train_metrics.reset()
@@ -87,12 +87,14 @@ def run_fit_stage(
         tr.run.emit("on_fit_start")
         # Installed until the fit ends, or until the save of a stop is done (in _on_error).
         tr.run.signals = SignalWatch(tr.rig.strategy, tr.stop_signals).install()
+        first_step = tr.global_step
         with debugging.anomaly_detection(tr):
             tr.run.fit()
             found = tr.run.signals.settle()  # a signal during the fit's last step still stops it
             if found:
                 loops.stop_at_step(found)
         tr.run.signals.restore()
+        _warn_if_steps_were_not_logged(tr, first_step)
         tr.run.emit("on_fit_end")
         _finalize_loggers(tr, "success")
     except BaseException as exc:
@@ -314,19 +316,18 @@ def _finalize_loggers(tr: Trainer, status: str) -> None:
         lg.finalize(status)
 
 
-def _warn_if_steps_are_not_logged(tr: Trainer) -> None:
-    """Warn when the whole fit has fewer optimizer steps than ``log_every_n_steps``: no value
-    logged per step would reach the loggers."""
-    n = tr.num_training_batches
-    if not tr.loggers or not tr.is_global_zero or n == 0:
+def _warn_if_steps_were_not_logged(tr: Trainer, first_step: int) -> None:
+    """Warn when values were logged per step but the fit ended before the first step that sends
+    them to the loggers (every ``log_every_n_steps`` optimizer steps)."""
+    steps, every = tr.global_step - first_step, tr.log_every_n_steps
+    if not tr.loggers or not tr.is_global_zero or steps == 0 or tr.global_step // every != first_step // every:
         return
-    steps = tr.estimated_stepping_batches
-    if steps < tr.log_every_n_steps:
-        warnings.warn(
-            f"this fit has {steps} optimizer steps, fewer than Trainer(log_every_n_steps={tr.log_every_n_steps}): "
-            f"no value logged per step reaches the loggers; set log_every_n_steps={steps} or lower, "
-            "or log with on_epoch=True",
-            stacklevel=2,
+    logged = sorted(tr.run.train_metrics.step_values(for_logger=True))
+    if logged:
+        warn_at_caller(
+            f"this fit ran {steps} optimizer steps, fewer than Trainer(log_every_n_steps={every}): the values "
+            f"logged per step ({', '.join(logged)}) never reached the loggers; set log_every_n_steps={steps} or "
+            "lower, or log with on_epoch=True"
         )
 
 

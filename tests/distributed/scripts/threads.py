@@ -1,6 +1,7 @@
 """Prints, as JSON lines, the intra-op thread count every process of a run sees.
 
 python threads.py launch     # ddp_spawn and ddp_notebook workers started by rig.launch
+python threads.py one        # one ddp_spawn worker of a script that set torch.set_num_threads(1)
 python threads.py ddp        # strategy="ddp": this process starts rank 1
 torchrig run --devices 2 --accelerator cpu threads.py ddp
 """
@@ -28,5 +29,8 @@ if __name__ == "__main__":
     if sys.argv[1] == "launch":
         for strategy in ("ddp_spawn", "ddp_notebook"):
             torchrig.Rig(accelerator="cpu", devices=2, strategy=strategy).launch(report, strategy)
+    elif sys.argv[1] == "one":
+        torch.set_num_threads(1)
+        torchrig.Rig(accelerator="cpu", devices=1, strategy="ddp_spawn").launch(report, "ddp_spawn")
     else:
         report(torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp"), "ddp")
