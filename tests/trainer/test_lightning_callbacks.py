@@ -4,15 +4,13 @@ GradientAccumulationScheduler, and Lightning's names for torchrig's own features
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from trainer_helpers import Regressor, loader, params, quiet_trainer, subprocess_env
+from trainer_helpers import Regressor, loader, params, quiet_trainer, run_script
 
 import torchrig
 
@@ -219,14 +217,7 @@ assert out is None
 @pytest.mark.timeout(120)
 @pytest.mark.distributed
 def test_prediction_writer_on_two_processes_writes_each_share_without_gathering(tmp_path: Path) -> None:
-    script = tmp_path / "w.py"
-    script.write_text(WRITER_SCRIPT)
-    env = subprocess_env()
-    env["PYTHONPATH"] = str(Path(__file__).parent) + ":" + env["PYTHONPATH"]
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=110, cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(tmp_path, WRITER_SCRIPT, str(tmp_path))
     found: dict[int, float] = {}
     for rank in (0, 1):
         preds, indices = torch.load(tmp_path / f"e-{rank}.pt")

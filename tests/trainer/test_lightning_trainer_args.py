@@ -4,14 +4,12 @@ enable_autolog_hparams, and the Lightning-only ones refused with what to use ins
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import Regressor, loader, params, quiet_trainer, subprocess_env
+from trainer_helpers import Regressor, loader, params, quiet_trainer, run_script
 
 import torchrig
 
@@ -195,18 +193,8 @@ if trainer.is_global_zero:
 
 
 def _bn_run(tmp_path: Path, devices: int, batch: int, sync: bool) -> tuple[dict[str, torch.Tensor], Any]:
-    script = tmp_path / "bn.py"
-    script.write_text(BN_SCRIPT)
     out = tmp_path / f"bn-{devices}-{int(sync)}.pt"
-    done = subprocess.run(
-        [sys.executable, str(script), str(devices), str(batch), str(int(sync)), str(out)],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=110,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(tmp_path, BN_SCRIPT, str(devices), str(batch), str(int(sync)), str(out))
     return torch.load(out), json.loads(Path(str(out) + ".json").read_text())
 
 
@@ -278,20 +266,10 @@ if trainer.is_global_zero:
 @pytest.mark.timeout(240)
 @pytest.mark.distributed
 def test_use_distributed_sampler_false_keeps_the_users_own_shards(tmp_path: Path) -> None:
-    script = tmp_path / "sampler.py"
-    script.write_text(SAMPLER_SCRIPT)
     seen = {}
     for use in (True, False):
         out = tmp_path / f"seen-{int(use)}.json"
-        done = subprocess.run(
-            [sys.executable, str(script), str(int(use)), str(out)],
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=110,
-            cwd=tmp_path,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        run_script(tmp_path, SAMPLER_SCRIPT, str(int(use)), str(out))
         seen[use] = json.loads(out.read_text())
     assert seen[False] == [list(range(0, 16, 2)), list(range(1, 16, 2))]  # each rank its whole shard, in order
     # the default splits each rank's shard again: half of the data is never seen

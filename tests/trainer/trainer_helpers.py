@@ -90,6 +90,25 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+def run_script(folder: Path, source: str, *args: str, timeout: float = 110) -> None:
+    """Write ``source`` into ``folder`` and run it as ``python script ARGS`` there (with
+    :func:`subprocess_env`, these helpers importable); it must exit 0."""
+    import subprocess
+    import sys
+
+    script = folder / f"script_{abs(hash(source))}.py"
+    script.write_text(source)
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=folder,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def printed_json(text: str) -> list[Any]:
     """``conftest.printed_json``, imported when called (the children that import these helpers,
     and the test modules that use this, have no conftest to import)."""
