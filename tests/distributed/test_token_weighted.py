@@ -188,7 +188,8 @@ def test_a_step_without_items_leaves_zero_gradients() -> None:
     module = fit_returning(lambda i, loss: {"loss": loss * 0, "num_items": torch.tensor(0)}, accumulate=2)
     for a, b in zip(module.parameters(), start.parameters(), strict=True):
         assert torch.equal(a, b)  # plain SGD with zero gradients: the weights did not move
-        assert a.grad is None  # zeroed after the step; and no NaN reached the weights
+        # the last window's gradients stay until the next step zeroes them (Lightning's order): zeros, no NaN
+        assert a.grad is None or torch.equal(a.grad, torch.zeros_like(a.grad))
 
 
 @pytest.mark.parametrize("clip", [False, True])
