@@ -184,6 +184,8 @@ _HF_ONLY = (
     "packed_rowwise",
     "moe_tp_experts",
     "moe_identity_expert",
+    "grouped_gemm",  # registered when transformers' expert parallel module is imported
+    "ep_dispatch_experts",
     "mla_kv_a_proj",
     "all_reduce",
     "local_params",

@@ -222,6 +222,7 @@ def test_hugging_face_styles_without_a_pytorch_equivalent_say_what_to_do(style: 
 
 def test_every_style_transformers_registers_is_mapped_or_refused() -> None:
     pytest.importorskip("transformers")
+    import transformers.distributed.expert_parallel  # noqa: F401  (registers the expert styles too)
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
     known = set(parallel._styles()) | set(parallel._HF_ONLY)

@@ -51,15 +51,16 @@ class DemoResult:
 class _FirstEpoch(Callback):
     """Remembers the first epoch this fit trains (later than 0 when it resumed); None if none.
 
-    In a resumed run it also says where the run continues and at which learning rate (the
-    module's hook has set it for this epoch and the new horizon).
+    In a resumed run it also says where the run continues and at which learning rate, at the
+    epoch's first batch: the module's ``on_train_epoch_start`` (called after the callbacks', as in
+    Lightning) has set it for this epoch and the new horizon by then.
     """
 
     def __init__(self, resumed: bool = False) -> None:
         self.epoch: int | None = None
         self.resumed = resumed
 
-    def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
+    def on_train_batch_start(self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int) -> None:
         if self.epoch is not None:
             return
         self.epoch = trainer.current_epoch
