@@ -487,6 +487,8 @@ class Rig:
         """
         watch = self._signal_watch
         if watch is None:
+            if not self._launched:
+                raise RuntimeError(launch_first(self.strategy, "rig.preempted()"))
             watch = self._signal_watch = SignalWatch(self.strategy, resolve_signals(signals, "signals")).install()
         found = watch.poll()
         return signal.Signals(found) if found else None

@@ -19,6 +19,12 @@ def test_every_collective_on_two_spawned_processes() -> None:
     proc = run([str(SCRIPTS / "collectives.py"), "ddp_spawn"])
     assert proc.returncode == 0, explain(proc)
     assert "result: ok world=2" in proc.stdout, explain(proc)
+    # the launching process is none of the ranks: a collective there is refused, not answered alone
+    assert (
+        "after launch, in the launching process: the collective all_reduce needs the processes that "
+        "DDPStrategy(start_method='spawn') (ddp_spawn, ddp_notebook) starts in rig.launch(fn): put the training "
+        "in a function fn(rig, ...)"
+    ) in proc.stdout, explain(proc)
 
 
 @pytest.mark.distributed

@@ -133,6 +133,38 @@ def test_spawn_strategies_wait_for_launch() -> None:
         one.prepare(nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("layout", ["ddp_spawn", "ddp_notebook"])
+def test_collectives_before_launch_under_spawn_say_to_call_them_in_the_launched_function(layout: str) -> None:
+    # They answered as one process (all_reduce gave the input back, barrier waited for nobody).
+    rig = torchrig.Rig(accelerator="cpu", devices=2, strategy=layout)
+    assert rig.world_size == 2  # the run's size is known before launch; its ranks are not there yet
+    method = "spawn" if layout == "ddp_spawn" else "fork"
+    launch_first = (
+        rf"needs the processes that DDPStrategy\(start_method='{method}'\) \(ddp_spawn, ddp_notebook\) starts in "
+        r"rig.launch\(fn\): put the training in a function fn\(rig, ...\) and call rig.launch\(fn\), which runs "
+        r"it in every process; or use strategy='ddp', which runs the whole script in every process$"
+    )
+    t = torch.ones(2)
+    calls = {
+        "all_gather": lambda: rig.all_gather({"t": t}),
+        "all_reduce": lambda: rig.all_reduce(t, op="sum"),
+        "broadcast": lambda: rig.broadcast({"a": 1}),
+        "barrier": lambda: rig.barrier("start"),
+        "reduce_boolean_decision": lambda: rig.reduce_boolean_decision(True),
+        "all_gather_object": lambda: rig.strategy.all_gather_object(1),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"^the collective {name} {launch_first}"):
+            call()
+    with pytest.raises(RuntimeError, match=rf"^the collective barrier {launch_first}"), rig.rank_zero_first():
+        pass
+    with pytest.raises(RuntimeError, match=rf"^rig.preempted\(\) {launch_first}"):
+        rig.preempted()
+    # one process (devices=1) too: it runs in the launched worker, not here
+    with pytest.raises(RuntimeError, match=rf"^the collective all_reduce {launch_first}"):
+        torchrig.Rig(accelerator="cpu", devices=1, strategy=layout).all_reduce(t)
+
+
 def test_a_process_torchrun_started_on_the_cpu_computes_there(monkeypatch: pytest.MonkeyPatch) -> None:
     # (each launcher's detection: tests/unit/test_clusters.py)
     assert detect_environment().kind == "none"

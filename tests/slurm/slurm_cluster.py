@@ -24,6 +24,9 @@ HOW_TO_GET = "apt-get install slurm-wlm munge (what .ci/run does)"
 
 #: Seconds SLURM waits between SIGTERM and SIGKILL when it cancels a job (``scancel``).
 KILL_WAIT = 10
+#: slurmctld checks time limits (and sends ``--signal`` warnings) every this many seconds, counted
+#: from its start (SLURM's compiled-in ``PERIODIC_TIMEOUT``).
+TIME_LIMIT_PERIOD = 30
 
 
 def missing_binaries() -> list[str]:
@@ -91,6 +94,9 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.daemons: list[subprocess.Popen[bytes]] = []
+        #: ``time.monotonic()`` when slurmctld was started: its time-limit checks come no earlier
+        #: than every ``TIME_LIMIT_PERIOD`` seconds after it.
+        self.controller_started = 0.0
 
     # -- life cycle -----------------------------------------------------------------------------
     def start(self, timeout: float = 60) -> SlurmCluster:
@@ -112,6 +118,7 @@ class SlurmCluster:
             f"--seed-file={self.root}/munge/munged.seed",
         )
         self._wait_for(lambda: (self.root / "munge.socket").exists(), timeout, "munged to open its socket")
+        self.controller_started = time.monotonic()
         self._daemon("slurmctld", "-D", "-i", "-f", str(self.conf))
         self._daemon("slurmd", "-D", "-f", str(self.conf), "-N", "localhost")
         self._wait_for(self._node_ready, timeout, "the node to become idle (sinfo)")
@@ -132,6 +139,15 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait(10)
         self.daemons.clear()
+
+    def next_time_limit_check(self, after: float) -> float:
+        """The earliest ``time.monotonic()`` after ``after`` at which slurmctld may check time
+        limits (and send a job's ``--signal`` warning). Its checks run ``TIME_LIMIT_PERIOD`` seconds
+        apart from its start, counted in whole seconds (so up to one second early): a job ready
+        by this time is ready for its warning."""
+        first = self.controller_started - 1  # the start's fraction of a second dropped
+        periods = max(1, int((after - first) // TIME_LIMIT_PERIOD) + 1)
+        return first + periods * TIME_LIMIT_PERIOD
 
     def _daemon(self, *cmd: str) -> None:
         log = open(self.root / f"{cmd[0]}.out", "wb")  # noqa: SIM115 (kept open for the daemon's life)
@@ -172,9 +188,18 @@ class SlurmCluster:
         text = self.run("scontrol", "show", "job", "-o", str(job_id)).stdout
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
-    def wait_job(self, job_id: int, states: tuple[str, ...], timeout: float, *, release: bool = True) -> dict[str, str]:
+    def wait_job(
+        self,
+        job_id: int,
+        states: tuple[str, ...],
+        timeout: float,
+        *,
+        release: bool = True,
+        update: tuple[str, ...] = (),
+    ) -> dict[str, str]:
         """Wait until the job is in one of ``states``; a requeued job SLURM holds back (reason
-        ``BeginTime``) is released at once when ``release``."""
+        ``BeginTime``) is released at once when ``release``, with ``update``'s changes
+        (``scontrol update`` fields such as ``TimeLimit=5``) for its next run."""
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
         while time.monotonic() < deadline:
@@ -182,7 +207,7 @@ class SlurmCluster:
             if info.get("JobState") in states:
                 return info
             if release and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", *update, check=False)
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} is not {'/'.join(states)} after {timeout:.0f} s: {info}\n{self.logs()}")
 
@@ -195,15 +220,26 @@ class SlurmCluster:
         return "\n".join(parts)
 
 
-@pytest.fixture(scope="session", name="slurm")
-def slurm_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    """The session's cluster: started on first use, stopped (with its jobs) at the session's end."""
+def _running(root: Path) -> Iterator[SlurmCluster]:
     why_not = skip_reason()
     if why_not is not None:
         pytest.skip(why_not)
-    cluster = SlurmCluster(Path(tmp_path_factory.mktemp("slurm")))
+    cluster = SlurmCluster(root)
     try:
         cluster.start(timeout=60)
         yield cluster
     finally:
         cluster.stop(timeout=30)
+
+
+@pytest.fixture(scope="session", name="slurm")
+def slurm_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """The session's cluster: started on first use, stopped (with its jobs) at the session's end."""
+    yield from _running(Path(tmp_path_factory.mktemp("slurm")))
+
+
+@pytest.fixture(name="fresh_slurm")
+def fresh_slurm_fixture(tmp_path: Path) -> Iterator[SlurmCluster]:
+    """A cluster of the test's own, started now, so the test knows when slurmctld checks time
+    limits (``next_time_limit_check``); stopped (with its jobs) after the test."""
+    yield from _running(tmp_path / "slurm")

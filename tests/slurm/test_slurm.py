@@ -5,6 +5,7 @@
 * ``scancel --signal=USR1`` preempts a batch job: ``last`` is committed, ``scontrol requeue`` (run by
   rank 0) really requeues the job, SLURM restarts it with ``SLURM_RESTART_COUNT=1``, it resumes
   by itself and ends with the weights of an uninterrupted run;
+* so does ``sbatch --time=1 --signal=USR1@30``, with nothing but SLURM's time-limit warning;
 * ``scancel`` (SIGTERM, SIGKILL after ``KillWait``) loses at most the steps since the signal:
   ``last`` is at or after the signal's step, and resuming from it ends with the same weights.
 """
@@ -18,7 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import KILL_WAIT, SlurmCluster, skip_reason, slurm_fixture  # noqa: F401 (the `slurm` fixture)
+from slurm_cluster import (  # noqa: F401 (the `slurm` and `fresh_slurm` fixtures)
+    KILL_WAIT,
+    SlurmCluster,
+    fresh_slurm_fixture,
+    skip_reason,
+    slurm_fixture,
+)
 
 from conftest import python_env
 
@@ -73,6 +80,13 @@ def test_srun_two_tasks_fit_matches_torchrig_run(slurm: SlurmCluster, reference:
     same_weights(reference, out)
 
 
+def _resumed_at(step: int, text: str) -> bool:
+    """Whether ``text`` says the fit resumed from the checkpoint of ``step`` (mid-epoch, or at an
+    epoch's end: then it continues with the next epoch)."""
+    where = r"(in epoch \d+ after \d+ batches|with epoch \d+)"
+    return re.search(rf"-> epoch=\d+-step={step}: continues {where}, step {step}\n", text) is not None
+
+
 def _batch_script(root: Path, out: Path, *extra: str) -> str:
     task = " ".join([sys.executable, SCRIPT, str(root), str(out), *SLOW, *extra])
     return f"srun --kill-on-bad-exit=1 {task}"
@@ -88,23 +102,30 @@ def _wait_for(path: Path, slurm: SlurmCluster, log: Path, timeout: float = 90) -
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(300)
-def test_usr1_requeues_the_job_which_resumes_by_itself_with_an_uninterrupted_runs_weights(
-    slurm: SlurmCluster, reference: Path, tmp_path: Path
-) -> None:
-    root, out, log, ready = tmp_path / "root", tmp_path / "requeued.pt", tmp_path / "job.log", tmp_path / "ready"
+def _requeue_job(slurm: SlurmCluster, tmp_path: Path, *sbatch: str, extra: tuple[str, ...] = ()) -> tuple[int, Path]:
+    """An ``sbatch --ntasks=2 --requeue`` job running ``preempt_fit.py``; its id, and its log."""
+    root, out, log = tmp_path / "root", tmp_path / "requeued.pt", tmp_path / "job.log"
     job = slurm.sbatch(
         "--ntasks=2",
         "--requeue",
         "--open-mode=append",
         f"--output={log}",
         f"--chdir={tmp_path}",
-        f"--wrap={_batch_script(root, out, '--ready', str(ready))}",
+        *sbatch,
+        f"--wrap={_batch_script(root, out, *extra)}",
         env=_env(),
     )
-    _wait_for(ready, slurm, log)  # rank 0 is past step 3
-    slurm.run("scancel", "--signal=USR1", str(job))  # what --signal=USR1@N does, now
-    info = slurm.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=180)
+    return job, log
+
+
+def _check_requeued_once_and_resumed(
+    slurm: SlurmCluster, job: int, log: Path, reference: Path, timeout: float, update: tuple[str, ...] = ()
+) -> None:
+    """Wait for the job to end (``update``: ``scontrol update`` fields for its requeued run), and
+    check that its first run stopped both ranks at one step and saved it, rank 0 requeued the job,
+    and SLURM's restart (``SLURM_RESTART_COUNT=1``, set by SLURM) resumed from that step by itself
+    and ended with ``reference``'s weights."""
+    info = slurm.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=timeout, update=update)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED", _explain(f"job {job}: {info}", text, slurm)
     assert info["Restarts"] == "1", _explain(f"job {job}: {info}", text, slurm)  # SLURM's own count
@@ -117,9 +138,48 @@ def test_usr1_requeues_the_job_which_resumes_by_itself_with_an_uninterrupted_run
     step = int(saved[0].split(" saved step ")[1].split()[0])
     assert 3 <= step < LAST_STEP, step
     # The second run (SLURM_RESTART_COUNT=1, set by SLURM) resumed from that step by itself.
-    assert re.search(rf"-> epoch=\d+-step={step}: continues in epoch \d+ after \d+ batches, step {step}\n", second)
+    assert _resumed_at(step, second), second
     assert f"rank 0 done at step {LAST_STEP}" in second, second
-    same_weights(reference, out)
+    same_weights(reference, log.parent / "requeued.pt")
+
+
+@pytest.mark.timeout(300)
+def test_usr1_requeues_the_job_which_resumes_by_itself_with_an_uninterrupted_runs_weights(
+    slurm: SlurmCluster, reference: Path, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready"
+    job, log = _requeue_job(slurm, tmp_path, extra=("--ready", str(ready)))
+    _wait_for(ready, slurm, log)  # rank 0 is past step 3
+    slurm.run("scancel", "--signal=USR1", str(job))  # what --signal=USR1@N does, now
+    _check_requeued_once_and_resumed(slurm, job, log, reference, timeout=180)
+
+
+#: ``--time=1 --signal=USR1@WARN``: slurmctld sends the warning at its first time-limit check
+#: (every ``TIME_LIMIT_PERIOD`` s) at most ``WARN + TIME_LIMIT_PERIOD`` s before the limit; with
+#: WARN = 30 and a one-minute limit (SLURM's shortest), the first check after the job starts.
+WARN = 30
+#: Seconds the job gets at the least before that check (it needs ~5 s to reach its first step,
+#: 15 on a machine with a load of 10).
+STARTUP = 20
+
+
+@pytest.mark.timeout(120)
+def test_time_limit_warning_requeues_the_job_which_resumes_by_itself_with_an_uninterrupted_runs_weights(
+    fresh_slurm: SlurmCluster, reference: Path, tmp_path: Path
+) -> None:
+    """``sbatch --signal=USR1@N`` for real: nothing but SLURM's own timer signals the job. On a
+    cluster of its own the test knows when slurmctld checks time limits; the first run is slow
+    (``--first-run-sleep``) so that the warning finds it training. The requeued run gets a
+    5-minute limit (``scontrol update`` as the test releases it), as a real job's next allocation
+    is long: with one minute its own warning would come within 30 s of its start, while it may
+    still be ending on a loaded machine (``TimeLimit`` is all that changes)."""
+    slurm = fresh_slurm
+    now = time.monotonic()
+    check = slurm.next_time_limit_check(now)
+    if check - now < STARTUP:  # too close: submit after it, a whole period before the next
+        time.sleep(check - now + 2)
+    job, log = _requeue_job(slurm, tmp_path, "--time=1", f"--signal=USR1@{WARN}", extra=("--first-run-sleep", "1.5"))
+    _check_requeued_once_and_resumed(slurm, job, log, reference, timeout=120, update=("TimeLimit=5",))
 
 
 @pytest.mark.timeout(300)
@@ -160,8 +220,6 @@ def test_scancel_loses_at_most_the_steps_since_the_signal(slurm: SlurmCluster, r
         check=False,
     )
     assert resumed.returncode == 0, _explain("resume", resumed, slurm)
-    assert re.search(
-        rf"-> epoch=\d+-step={step}: continues in epoch \d+ after \d+ batches, step {step}\n", resumed.stdout
-    )
+    assert _resumed_at(step, resumed.stdout), resumed.stdout
     assert f"rank 0 done at step {LAST_STEP}" in resumed.stdout, resumed.stdout
     same_weights(reference, out)

@@ -275,8 +275,15 @@ class ParallelStrategy(Strategy):
         super().teardown()
 
     # -- collectives ------------------------------------------------------------------------
-    def _active(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    def _active(self, name: str) -> bool:
+        """Whether the collective ``name`` has other ranks to talk to (False: it is the identity).
+        Before ``rig.launch(fn)`` started the processes of a ``spawn``/``fork`` strategy (or in the
+        process that called it) there are no ranks yet: an error, not a one-process answer."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size() > 1
+        if self.needs_launch:
+            raise RuntimeError(launch_first(self, f"the collective {name}"))
+        return False
 
     def _collective(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Record the collective ``name`` for the report on a timeout (:mod:`.hangs`)."""
@@ -284,7 +291,7 @@ class ParallelStrategy(Strategy):
 
     def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
         """Stack ``tensor`` from every rank: ``(world_size, *shape)``; same shape on every rank."""
-        if not self._active():
+        if not self._active("all_gather"):
             return tensor.unsqueeze(0)
         tensor = whole(tensor)
         if sync_grads:
@@ -301,7 +308,7 @@ class ParallelStrategy(Strategy):
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce a copy of ``tensor`` across ranks (the input is left as it was)."""
         check_reduce_op(op)
-        if not self._active():
+        if not self._active("all_reduce"):
             return tensor
         tensor = whole(tensor)
         out = tensor.clone() if tensor.is_floating_point() or op != "mean" else tensor.double()
@@ -313,7 +320,7 @@ class ParallelStrategy(Strategy):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order."""
-        if not self._active():
+        if not self._active("all_gather_object"):
             return [obj]
         out: list[Any] = [None] * dist.get_world_size()
         with self._collective("all_gather_object"):
@@ -322,7 +329,7 @@ class ParallelStrategy(Strategy):
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """A tensor (same shape and dtype on every rank) or any picklable object from rank ``src``."""
-        if not self._active():
+        if not self._active("broadcast"):
             return obj
         if isinstance(obj, torch.Tensor):
             out = whole(obj).clone()
@@ -336,7 +343,7 @@ class ParallelStrategy(Strategy):
         return box[0]
 
     def barrier(self, name: str | None = None) -> None:
-        if not self._active():
+        if not self._active("barrier"):
             return
         with self._collective("barrier" if name is None else f"barrier({name!r})"):
             if self.backend() == "nccl" and self.root_device.index is not None:
@@ -345,7 +352,7 @@ class ParallelStrategy(Strategy):
                 dist.barrier()
 
     def reduce_boolean_decision(self, flag: bool, all: bool = True) -> bool:
-        if not self._active():
+        if not self._active("reduce_boolean_decision"):
             return bool(flag)
         votes = torch.tensor(int(bool(flag)), device=self.root_device)
         with self._collective("reduce_boolean_decision"):

@@ -1,6 +1,7 @@
 """Every Rig collective on 2 processes started by ``ddp_spawn`` (``rig.launch(fn)``).
 
-Each rank asserts what it receives; rank 0 returns a summary that the parent prints.
+Each rank asserts what it receives; rank 0 returns a summary that the parent prints, and then
+what ``rig.all_reduce`` says in the parent, which is no rank.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ def main() -> None:
     summary, big = rig.launch(check)
     assert torch.equal(big, torch.arange(1_000_000)), "rank 0's large result was corrupted"
     print("result:", summary, flush=True)
+    try:  # here, after the workers ended, there are no ranks to reduce with
+        rig.all_reduce(torch.ones(1))
+    except RuntimeError as e:
+        print("after launch, in the launching process:", e, flush=True)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ that signal (as a scheduler that signals one process does); ``--sleep-rank R`` m
 ``--launcher``: the processes come from torchrig's own launcher (``devices=2``); else from the
 environment (torchrun, or SLURM variables set by the test as ``srun`` would). ``--ready FILE``:
 rank 0 creates FILE after step 3, for a test that signals from outside; ``--step-sleep S`` slows
-every batch down. ``--kill-at N``: rank 1 SIGKILLs itself at step N of the first attempt
-(``TORCHELASTIC_RESTART_COUNT`` 0); ``--save-every N``: a ``ModelCheckpoint`` every N steps. Rank 0 writes the final
-weights to OUT; every rank prints ``rank R of W launched by KIND`` (the detected launcher) first,
-and ``rank R saved step S`` from ``last`` when the fit stops.
+every batch down, ``--first-run-sleep S`` only those of the first attempt (a job that meets its
+time limit's warning, whose requeued run does not). ``--kill-at N``: rank 1 SIGKILLs itself at step N
+of the first attempt. The first attempt is restart count 0 (``TORCHELASTIC_RESTART_COUNT``,
+``SLURM_RESTART_COUNT``, as torchrig reads them). ``--save-every N``: a ``ModelCheckpoint`` every
+N steps. Rank 0 writes the final weights to OUT; every rank prints ``rank R of W launched by
+KIND`` (the detected launcher) first, and ``rank R saved step S`` from ``last`` when the fit stops.
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ from trainer_helpers import Regressor, loader
 class Signal(torchrig.Callback):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.first_attempt = torchrig.CLUSTER_ENVIRONMENTS.restart_count() == 0
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         a, rank = self.args, trainer.rig.global_rank
         if a.ready and trainer.global_step == 3 and rank == 0:
             Path(a.ready).touch()  # the test sends its signal from outside now
-        time.sleep(a.step_sleep)
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        if a.kill_at and trainer.global_step == a.kill_at and rank == 1 and not restarted:
+        time.sleep(a.step_sleep + (a.first_run_sleep if self.first_attempt else 0.0))
+        if a.kill_at and trainer.global_step == a.kill_at and rank == 1 and self.first_attempt:
             print(f"rank 1 SIGKILLs itself at step {a.kill_at}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # a dead worker: nothing can be saved
         if trainer.global_step != a.signal_at:
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--logger", action="store_true")
     parser.add_argument("--ready", default="", help="rank 0 creates this file after step 3")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each batch sleeps")
+    parser.add_argument("--first-run-sleep", type=float, default=0.0, help="more seconds per batch, first attempt")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself at this step (first attempt)")
     parser.add_argument("--save-every", type=int, default=0, help="a checkpoint every this many steps")
