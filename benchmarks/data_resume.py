@@ -16,10 +16,10 @@
    prepared loader's own work is: the sampler, the wrapper, receiving the batches), and with 0
    workers in CPU time (everything in this process). On a loaded machine the wall clock of work
    done in other processes swings by tens of percent; the CPU time is the steadier measure.
-3. Reading ahead: a stateful stream without a length (0 workers, batch 8) prepared as the Trainer
-   prepares its training loader (``look_ahead``: one batch read ahead to know the epoch's last,
-   the position snapshotted before each read) against the same loader not reading ahead, in
-   CPU time: what knowing the last batch costs per batch.
+3. Reading ahead: a stateful stream without a length (0 workers, batch 8) read as the Trainer
+   reads its training loader under accumulation (``look_ahead``: one batch read ahead to know the
+   epoch's last, the position snapshotted before each read) against the same loader not reading
+   ahead, in CPU time: what knowing the last batch costs per batch.
 4. Python calls per batch (cProfile's count over 100 and 200 batches, 0 workers; the iterator's
    start left out): exact, whatever the load, for the same loaders.
 """
@@ -125,7 +125,7 @@ def overhead_loaders(workers: int) -> dict[str, Any]:
 
 
 def look_ahead_loaders() -> dict[str, Any]:
-    """A stateful stream prepared, not reading ahead and reading ahead (as the Trainer's training loader)."""
+    """A stateful stream prepared, not reading ahead and reading ahead (the Trainer's, under accumulation)."""
 
     def prepared(look_ahead: bool) -> Any:
         loader = torchrig.Rig(accelerator="cpu", devices=1).prepare(

@@ -69,6 +69,28 @@ def test_a_stream_accumulating_resumes_exactly_after_the_look_ahead(tmp_path: Pa
     assert_same_fit(whole, pieces)
 
 
+class Noisy(Stream):
+    """A stream that draws from torch's global RNG while it makes each sample (an augmentation)."""
+
+    def __iter__(self) -> Any:
+        for ids, x, y in super().__iter__():
+            yield ids, x + 0.1 * torch.rand(4), y
+
+
+def test_without_accumulation_a_stream_is_not_read_ahead_and_its_rng_draws_resume_exactly(tmp_path: Path) -> None:
+    # In the main process (0 workers) the stream's draws and the training step's (dropout) share
+    # torch's RNG: made when the loop asks for it, as in a hand-written loop, each batch draws
+    # from the state the checkpoint before it holds. Read ahead, it would draw before the
+    # previous batch's step, and a resume would draw it again from a later state.
+    def make() -> DataLoader[Any]:
+        return DataLoader(Noisy(40), batch_size=4)
+
+    whole = fit_in_pieces(tmp_path / "whole", make, [], max_epochs=2)
+    pieces = fit_in_pieces(tmp_path / "pieces", make, [3, 6, 14], max_epochs=2)
+    assert len(whole[0]) == 20
+    assert_same_fit(whole, pieces)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_saved_position_is_the_last_batch_given_out_not_the_one_read_ahead(workers: int) -> None:
     rig = torchrig.Rig(accelerator="cpu", devices=1)

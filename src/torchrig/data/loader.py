@@ -96,11 +96,11 @@ class RigDataLoader:
     one whose dataset has ``state_dict``/``load_state_dict``) saves and restores the dataset's own
     position, in its workers too; any other iterable loader reads the consumed batches again.
 
-    With ``look_ahead`` (the Trainer sets it on its training loader), an epoch of a loader
-    without a length is read one batch ahead, so :attr:`at_last_batch` says, when a batch is given
-    out, whether it is the epoch's last. The saved position stays the last batch given out: the
-    batch read ahead is read again after a resume (a stateful stream's position is taken before
-    it is read).
+    With ``look_ahead`` (the Trainer sets it on its training loader under accumulation), an epoch
+    of a loader without a length is read one batch ahead, so :attr:`at_last_batch` says, when a
+    batch is given out, whether it is the epoch's last. The saved position stays the last batch
+    given out: the batch read ahead is read again after a resume (a stateful stream's position is
+    taken before it is read).
     """
 
     def __init__(

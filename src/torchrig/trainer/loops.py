@@ -193,6 +193,10 @@ class Run(StepHooks):
         if state.batch_idx < n and not (tr.should_stop and self.may_stop(state.epoch)):
             if state.batch_idx == 0:
                 loader.set_epoch(state.epoch)  # a resumed mid-epoch loader already knows where it is
+            # Without a length, the last batch of a partial accumulation window is known only by
+            # reading one batch ahead; without accumulation nothing needs it (and the stream's
+            # batches are made when the loop asks, as in a hand-written loop).
+            loader.look_ahead = tr.accumulate_grad_batches > 1
             # Starting the epoch's iterator (workers, a sampler's shuffle) is data loading too.
             batches = iter(loader) if tr.profiler is None else tr.profiler.wrap(DATA, iter)(loader)
             try:
@@ -239,8 +243,8 @@ class Run(StepHooks):
         """The batches of one epoch (inside the training step's log sink); when the sparse hooks are next due.
 
         ``ends``: the loader of an epoch without a length, whose ``at_last_batch`` says when the
-        batch it gave out is the epoch's last (it reads one batch ahead); the epoch's last batch
-        then ends an accumulation window, as the last of ``n`` batches does.
+        batch it gave out is the epoch's last (when it reads one batch ahead, under accumulation);
+        the epoch's last batch then ends an accumulation window, as the last of ``n`` batches does.
 
         Worked out once per epoch, not per batch: the hot loop only calls what does something.
         Callbacks that want the batch end at most every so many seconds (``sparse``, see
@@ -284,6 +288,10 @@ class Run(StepHooks):
                     stop_at_step(stop)
                 break
             batch_idx += 1
+        else:  # the iterator ended: a loader without a length (not read ahead) has reached its epoch's end
+            if val_at_last and validate_epoch and math.isinf(n) and state.batch_idx and not state.val_pending:
+                state.val_pending = True
+                validate()
         return due
 
     def batch_runner(self) -> Callable[[Any, int, bool], Any]:

@@ -350,9 +350,7 @@ def _train_loader(tr: Trainer, module: TrainingModule, datamodule: DataModule | 
             "fit() needs training data: pass train_dataloaders=, a datamodule= with train_dataloader(), "
             f"or define train_dataloader() on {type(module).__name__}"
         )
-    loader = _moves_batches(tr, [_prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")])[0]
-    loader.look_ahead = True  # an epoch without a length: its last batch steps a partial accumulation window
-    return loader
+    return _moves_batches(tr, [_prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")])[0]
 
 
 def _prepare_loader(tr: Trainer, loader: Any, what: str) -> Any:
