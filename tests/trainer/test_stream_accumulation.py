@@ -186,3 +186,23 @@ def test_two_processes_step_the_last_partial_window_of_equal_streams_together(tm
             optimizer.zero_grad()
     for key, value in module.state_dict().items():
         assert torch.allclose(ranks[0]["weights"][key], value, atol=1e-6), key
+
+
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_a_position_loaded_and_saved_again_before_the_next_epoch_is_the_one_loaded(look_ahead: bool) -> None:
+    # A resumed fit may save before its first batch (a validation pending at the stop): the
+    # position saved then is the one loaded, not where this process's loader last was (nor the
+    # start of the stream, in a new process whose loader never ran).
+    rig = torchrig.Rig(accelerator="cpu", devices=1)
+    first = rig.setup_dataloader(DataLoader(Stream(12), batch_size=2))
+    first.look_ahead = look_ahead
+    it = iter(first)
+    next(it)
+    saved = first.state_dict()  # after 1 batch
+    next(it), next(it)  # the loader reads on
+    first.load_state_dict(saved)
+    assert first.state_dict()["loader_state"] == saved["loader_state"]  # saved again as loaded
+    fresh = rig.setup_dataloader(DataLoader(Stream(12), batch_size=2))
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict()["loader_state"] == saved["loader_state"]
+    assert [ids.tolist() for ids, _, _ in first] == [[2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]

@@ -274,7 +274,9 @@ class RigDataLoader:
         if self._epoch_rng is not None:
             state["epoch_rng"] = self._every_rank(self._epoch_rng)
         if isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader):
-            position = self._position
+            # The position kept while reading ahead, else one loaded and not yet resumed from, else
+            # the loader's own (which is as far as the loop consumed).
+            position = self._position if self._position is not None else self._loader_state
             if position is None:
                 with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
                     position = self.loader.state_dict()  # type: ignore[attr-defined]
@@ -303,6 +305,7 @@ class RigDataLoader:
         rngs = state.get("epoch_rng")
         rank, world = (0, 1) if self.strategy is None else (self.strategy.global_rank, self.strategy.world_size)
         self._epoch_rng = rngs[rank] if rngs and len(rngs) == world else None
+        self._position = None  # the position of this run's last epoch, read ahead, is not the one loaded
         positions = state.get("loader_state")
         if positions is not None and is_stateful_loader(self.loader):
             if len(positions) != world:
