@@ -95,6 +95,12 @@ class RigDataLoader:
     over an ``IterableDataset`` in a ``torchdata`` StatefulDataLoader (what ``prepare`` makes of
     one whose dataset has ``state_dict``/``load_state_dict``) saves and restores the dataset's own
     position, in its workers too; any other iterable loader reads the consumed batches again.
+
+    With ``look_ahead`` (the Trainer sets it on its training loader under accumulation), an epoch
+    of a loader without a length is read one batch ahead, so :attr:`at_last_batch` says, when a
+    batch is given out, whether it is the epoch's last. The saved position stays the last batch
+    given out: the batch read ahead is read again after a resume (a stateful stream's position is
+    taken before it is read).
     """
 
     def __init__(
@@ -123,6 +129,14 @@ class RigDataLoader:
         self._epoch_rng: dict[str, Any] | None = None
         #: The StatefulDataLoader's state to continue from at the next (resumed) ``iter()``.
         self._loader_state: dict[str, Any] | None = None
+        #: True: read an epoch without a length one batch ahead, to know its last batch.
+        self.look_ahead = False
+        #: Whether the batch last given out is the last of its epoch, as the look-ahead found
+        #: (always False for a loader with a length, or without ``look_ahead``).
+        self.at_last_batch = False
+        #: A stateful stream's position after the batch last given out, taken before the batch
+        #: after it was read ahead (None: the loader's own state is that position).
+        self._position: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -157,6 +171,9 @@ class RigDataLoader:
                 "generator": None if generator is None else generator.get_state(),
             }
             it = iter(self.loader)
+        self.at_last_batch, self._position = False, None
+        if self.look_ahead and math.isinf(length_of(self.loader)):
+            it = self._read_ahead(it)
         device = self.device
         non_blocking = device.type not in ("cpu", "mps")  # as move_to_device decides, once per epoch
         move = self.move_batches and device.type != "cpu"  # a DataLoader makes its batches on the CPU
@@ -166,6 +183,28 @@ class RigDataLoader:
             if on_batch is not None:
                 on_batch(self)
             yield move_batch(batch, device, non_blocking) if move else batch
+
+    def _read_ahead(self, it: Iterator[Any]) -> Iterator[Any]:
+        """``it``'s batches, each given out once the next one is read (or the epoch has ended:
+        then :attr:`at_last_batch` is set). A stateful stream's position is taken before the next
+        batch is read, so a checkpoint holds the position after the batch given out."""
+        stateful = isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader)
+        position = self.loader.state_dict if stateful else None  # type: ignore[attr-defined]
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        while True:
+            after = None if position is None else position()
+            try:
+                following = next(it)
+            except StopIteration:
+                self.at_last_batch = True
+            self._position = after
+            yield batch
+            if self.at_last_batch:
+                return
+            batch = following
 
     def _resumed_epoch(self, skip: int) -> Iterator[Any]:
         """The current epoch after its first ``skip`` batches, drawn as the epoch first was.
@@ -235,8 +274,12 @@ class RigDataLoader:
         if self._epoch_rng is not None:
             state["epoch_rng"] = self._every_rank(self._epoch_rng)
         if isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader):
-            with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
-                position = self.loader.state_dict()  # type: ignore[attr-defined]
+            # The position kept while reading ahead, else one loaded and not yet resumed from, else
+            # the loader's own (which is as far as the loop consumed).
+            position = self._position if self._position is not None else self._loader_state
+            if position is None:
+                with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
+                    position = self.loader.state_dict()  # type: ignore[attr-defined]
             state["loader_state"] = self._every_rank(position)
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
@@ -262,6 +305,7 @@ class RigDataLoader:
         rngs = state.get("epoch_rng")
         rank, world = (0, 1) if self.strategy is None else (self.strategy.global_rank, self.strategy.world_size)
         self._epoch_rng = rngs[rank] if rngs and len(rngs) == world else None
+        self._position = None  # the position of this run's last epoch, read ahead, is not the one loaded
         positions = state.get("loader_state")
         if positions is not None and is_stateful_loader(self.loader):
             if len(positions) != world:

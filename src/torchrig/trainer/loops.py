@@ -193,6 +193,10 @@ class Run(StepHooks):
         if state.batch_idx < n and not (tr.should_stop and self.may_stop(state.epoch)):
             if state.batch_idx == 0:
                 loader.set_epoch(state.epoch)  # a resumed mid-epoch loader already knows where it is
+            # Without a length, the last batch of a partial accumulation window is known only by
+            # reading one batch ahead; without accumulation nothing needs it (and the stream's
+            # batches are made when the loop asks, as in a hand-written loop).
+            loader.look_ahead = tr.accumulate_grad_batches > 1
             # Starting the epoch's iterator (workers, a sampler's shuffle) is data loading too.
             batches = iter(loader) if tr.profiler is None else tr.profiler.wrap(DATA, iter)(loader)
             try:
@@ -216,9 +220,11 @@ class Run(StepHooks):
         batch_idx = state.batch_idx
         if batch_idx >= n:
             return
+        # A loader without a length reads one batch ahead and says which batch is the epoch's last.
+        ends = self.train_loader if math.isinf(length_of(self.train_loader)) else None
         with self.log_into(self.train_metrics, in_step=True):
             due = self.batch_loop(
-                batches, n, batch_idx, one_batch, validate, validate_epoch, val_every, self.sparse_due
+                batches, n, batch_idx, one_batch, validate, validate_epoch, val_every, self.sparse_due, ends
             )
         self.sparse_due = due
 
@@ -232,8 +238,13 @@ class Run(StepHooks):
         validate_epoch: bool,
         val_every: int | float,
         due: float,
+        ends: Any = None,
     ) -> float:
         """The batches of one epoch (inside the training step's log sink); when the sparse hooks are next due.
+
+        ``ends``: the loader of an epoch without a length, whose ``at_last_batch`` says when the
+        batch it gave out is the epoch's last (when it reads one batch ahead, under accumulation);
+        the epoch's last batch then ends an accumulation window, as the last of ``n`` batches does.
 
         Worked out once per epoch, not per batch: the hot loop only calls what does something.
         Callbacks that want the batch end at most every so many seconds (``sparse``, see
@@ -247,7 +258,7 @@ class Run(StepHooks):
         clock, timed, val_at_last = time.perf_counter, tr.max_time is not None, isinstance(tr.val_check_interval, float)
         poll, stop = self.signals.poll, 0
         for batch in self.transferred(batches, 0):
-            is_last = batch_idx + 1 >= n
+            is_last = batch_idx + 1 >= n or (ends is not None and ends.at_last_batch)
             for hook in batch_start:
                 hook(batch, batch_idx)
             output = one_batch(batch, batch_idx, is_last)
@@ -277,7 +288,7 @@ class Run(StepHooks):
                     stop_at_step(stop)
                 break
             batch_idx += 1
-        else:  # the iterator ended: a loader without a length has reached the end of its epoch
+        else:  # the iterator ended: a loader without a length (not read ahead) has reached its epoch's end
             if val_at_last and validate_epoch and math.isinf(n) and state.batch_idx and not state.val_pending:
                 state.val_pending = True
                 validate()
