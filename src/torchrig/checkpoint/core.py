@@ -51,8 +51,8 @@ def write(
     if isinstance(target, CheckpointURL):
         with remote.staging() as staged:
             with uncommitted(staged, lambda: payload_bytes(payload)):  # the local staging copy
-                remote.stage_meta(staged, fill(rig, staged, payload))
-            remote.commit(staged, target, link=link, keep_last=keep_last)
+                meta = fill(rig, staged, payload)
+            remote.commit(staged, target, meta, link=link, keep_last=keep_last)
         return
     with uncommitted(target, lambda: payload_bytes(payload)):
         tmp = prepare_target(target, link)

@@ -31,6 +31,7 @@ from typing import Any
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.files import resolve_checkpoint
 from torchrig.checkpoint.meta import META, META_LIMIT
+from torchrig.checkpoint.progress import least_advanced, next_save_count
 from torchrig.checkpoint.reading import read_meta
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
@@ -204,38 +205,63 @@ def _remove(fs: Any, prefix: str) -> None:
         fs.rm(prefix, recursive=True)
 
 
-def stage_meta(staged: Path, meta: dict[str, Any]) -> None:
-    """``meta.json`` into the staged folder (uploaded last by :func:`commit`)."""
-    (staged / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
-
-
-def commit(staged: Path, target: CheckpointURL, *, link: str | None, keep_last: int | None) -> None:
-    """Upload the finished checkpoint folder ``staged`` as ``target``: its files under a prefix of
-    their own, ``meta.json`` last; then the ``link`` object; then older versions and, with
-    ``keep_last``, the oldest committed checkpoints next to it go."""
+def begin(target: CheckpointURL, link: str | None) -> str:
+    """A new save of ``target``: the ``link`` beside it checked (a folder there is refused before
+    anything is written), and the name of the version prefix its files go under,
+    ``v-<ordinal>-<random>``. The ordinal is the save's time in ns, but always above every
+    version already under the name (a clock that jumped back never hides the new version)."""
     fs, root = _filesystem(target)
-    parent = root.rsplit("/", 1)[0]
-    if link is not None and fs.isdir(f"{parent}/{link}"):
+    if link is not None and fs.isdir(f"{root.rsplit('/', 1)[0]}/{link}"):
         raise CheckpointError(
             f"cannot update the {link!r} link: {target.parent / link} holds objects (it is not a torchrig link "
             "object); remove them or pass link=None"
         )
-    version = f"{root}/v-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+    versions = _versions(fs, root)
+    after = int(versions[-1].rsplit("/", 1)[-1][2:22]) + 1 if versions else 0
+    return f"v-{max(time.time_ns(), after):020d}-{uuid.uuid4().hex[:8]}"
+
+
+def abandon(target: CheckpointURL, version: str) -> None:
+    """Delete what a save that failed uploaded under ``version`` of ``target`` (never committed)."""
+    fs, root = _filesystem(target)
+    _remove(fs, f"{root}/{version}")
+
+
+def commit(
+    staged: Path,
+    target: CheckpointURL,
+    meta: dict[str, Any],
+    *,
+    link: str | None,
+    keep_last: int | None,
+    version: str | None = None,
+) -> None:
+    """Upload the finished checkpoint folder ``staged`` as ``target``: its files under the prefix
+    ``version`` (a new one by default; a sharded save's shards are already there), ``meta`` as
+    ``meta.json`` last; then the ``link`` object; then older versions and, with ``keep_last``, the
+    checkpoints least far in training next to it go (:func:`~torchrig.checkpoint.progress.least_advanced`,
+    the order of a local save)."""
+    fs, root = _filesystem(target)
+    prefix = f"{root}/{version if version is not None else begin(target, link)}"
     names = sorted(p.name for p in staged.iterdir() if p.name != META)
     try:
         if names:
-            fs.put([str(staged / n) for n in names], [f"{version}/{n}" for n in names])
-        fs.put_file(str(staged / META), f"{version}/{META}")  # the commit
+            fs.put([str(staged / n) for n in names], [f"{prefix}/{n}" for n in names])
+        beside = _committed_beside(fs, root)
+        meta["save_count"] = next_save_count(m for m, _ in beside)  # the order of saves here, not a clock
+        (staged / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        fs.put_file(str(staged / META), f"{prefix}/{META}")  # the commit
     except BaseException:
-        _remove(fs, version)  # nothing of an upload that failed stays
+        _remove(fs, prefix)  # nothing of an upload that failed stays
         raise
     if link is not None:
-        fs.pipe_file(f"{parent}/{link}", json.dumps({"checkpoint": target.name}).encode())
+        fs.pipe_file(f"{root.rsplit('/', 1)[0]}/{link}", json.dumps({"checkpoint": target.name}).encode())
     for old in _versions(fs, root):
-        if old < version:
+        if old < prefix:
             _remove(fs, old)
     if keep_last is not None:
-        apply_retention(fs, root, keep_last)
+        for name in least_advanced(beside, keep_last):
+            _remove_name(fs, name)
 
 
 def _newest_meta(fs: Any, prefix: str) -> dict[str, Any] | None:
@@ -251,25 +277,18 @@ def _newest_meta(fs: Any, prefix: str) -> dict[str, Any] | None:
     return None
 
 
-def apply_retention(fs: Any, root: str, keep_last: int) -> list[str]:
-    """Delete the oldest committed checkpoints next to ``root`` so that ``keep_last`` remain.
-
-    Only names holding a committed torchrig checkpoint count; ``root`` itself is kept.
-    """
-    parent = root.rsplit("/", 1)[0]
-    found: list[tuple[int, str]] = []
-    for entry in fs.ls(parent, detail=True):
+def _committed_beside(fs: Any, root: str) -> list[tuple[dict[str, Any], str]]:
+    """The names next to ``root`` holding a committed torchrig checkpoint (``root`` left out), each
+    with the ``meta.json`` of its newest version."""
+    found = []
+    for entry in fs.ls(root.rsplit("/", 1)[0], detail=True):
         path = entry["name"].rstrip("/")
         if entry["type"] != "directory" or path == root or path.rsplit("/", 1)[-1].startswith("."):
             continue
         meta = _newest_meta(fs, path)
         if meta is not None:
-            found.append((int(meta.get("saved_at_ns", 0)), path))
-    found.sort()
-    doomed = [p for _, p in found[: max(0, len(found) - (keep_last - 1))]]
-    for prefix in doomed:
-        _remove_name(fs, prefix)
-    return doomed
+            found.append((meta, path))
+    return found
 
 
 def _remove_name(fs: Any, prefix: str) -> None:
