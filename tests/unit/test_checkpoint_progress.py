@@ -38,6 +38,7 @@ def _behind(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
 
 
 _MODEL = nn.Linear(2, 2)
+pytestmark = pytest.mark.timeout(30)
 
 
 def _save(path: str, step: int | None, keep_last: int | None = None) -> None:
@@ -45,7 +46,6 @@ def _save(path: str, step: int | None, keep_last: int | None = None) -> None:
     torchrig.Rig(accelerator="cpu").save(path, state, keep_last=keep_last)
 
 
-@pytest.mark.timeout(30)
 def test_keep_last_keeps_the_newest_steps_when_a_node_clock_is_behind(
     folder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -57,7 +57,6 @@ def test_keep_last_keeps_the_newest_steps_when_a_node_clock_is_behind(
     assert torchrig.checkpoint.read_values(f"{folder}/last")["step"] == 5
 
 
-@pytest.mark.timeout(30)
 def test_at_the_same_step_the_later_save_is_kept_whatever_the_clock(
     folder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -70,7 +69,6 @@ def test_at_the_same_step_the_later_save_is_kept_whatever_the_clock(
     assert counts == [2, 3]
 
 
-@pytest.mark.timeout(30)
 def test_checkpoints_without_a_step_are_ranked_by_the_order_they_were_saved(
     folder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,10 +78,7 @@ def test_checkpoints_without_a_step_are_ranked_by_the_order_they_were_saved(
     assert _names(folder) == ["y", "z"]
 
 
-@pytest.mark.timeout(30)
-def test_saving_a_name_again_after_the_clock_jumped_back_replaces_it(
-    folder: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_name_saved_again_after_the_clock_went_back_is_replaced(folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _save(f"{folder}/ck", 1)
     _behind(monkeypatch, 3600)
     _save(f"{folder}/ck", 2)  # on object storage: a new version under ck, its clock an hour earlier

@@ -2,7 +2,8 @@
 the commit rule (files under a prefix of their own, meta.json last, ``last`` a pointer object),
 a death at every step of an upload, tampering, retention, background saves and the CLI.
 
-The same rules against a real S3 server (moto) and the real s3fs client: test_checkpoint_s3.py.
+Sharded (FSDP) checkpoints: test_checkpoint_remote_sharded.py. The same rules against a real S3
+server (moto) and the real s3fs client: test_checkpoint_s3.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import torchrig
 from conftest import trained_mlp
@@ -83,21 +83,27 @@ class _Died(BaseException):
     """The process is gone: nothing after this runs (not even clean-up)."""
 
 
-def _die_at(monkeypatch: pytest.MonkeyPatch, k: int, seen: list[str]) -> None:
-    """From the k-th change on, every change of the in-memory store fails: the saving process died there."""
+WHOLE_CHANGES = ("put_file", "pipe_file", "rm_file", "rmdir")
+
+
+def _die_at(monkeypatch: pytest.MonkeyPatch, k: int, seen: list[str], changes: tuple[str, ...] = WHOLE_CHANGES) -> None:
+    """From the k-th change on, every change of the in-memory store fails: the saving process died
+    there. ``changes`` names the methods that change it (``_open`` counts only when writing)."""
 
     def wrap(name: str) -> None:
         real = getattr(MemoryFileSystem, name)
 
         def op(self: Any, *a: Any, **kw: Any) -> Any:
-            seen.append(f"{name} {a[-1] if name == 'put_file' else a[0]}")
+            if name == "_open" and "w" not in (a[1] if len(a) > 1 else kw.get("mode", "rb")):
+                return real(self, *a, **kw)
+            seen.append(f"{name} {a[-1] if name in ('put_file', 'cp_file') else a[0]}")
             if len(seen) >= k:
                 raise _Died(name)
             return real(self, *a, **kw)
 
         monkeypatch.setattr(MemoryFileSystem, name, op)
 
-    for name in ("put_file", "pipe_file", "rm_file", "rmdir"):
+    for name in changes:
         wrap(name)
 
 
@@ -239,16 +245,6 @@ def test_inspect_and_consolidate_read_urls(memory_url: str, tmp_path: Path, caps
 
     weights = load_file(tmp_path / "w.safetensors")
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
-@pytest.mark.timeout(60)
-def test_a_sharded_save_to_object_storage_is_refused_before_anything_is_written(memory_url: str) -> None:
-    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
-    model = rig.prepare(nn.Linear(8, 8))
-    with pytest.raises(ValueError, match=r"sharded \(FSDP\) checkpoints are written to local or shared file systems"):
-        rig.save(f"{memory_url}/ck", {"model": model, "step": 1})
-    assert not _fs().exists(memory_url.removeprefix("memory://"))
 
 
 def test_without_fsspec_a_url_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

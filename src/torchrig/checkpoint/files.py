@@ -81,23 +81,29 @@ def fsync_dir(path: Path) -> None:
 
 
 class HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through, the hash beside the write.
+    """A write-only file (a local one, or an upload stream of fsspec's) that hashes what passes
+    through, the hash beside the write.
 
     ``torch.save`` hands over each tensor's bytes in one call, valid only during it: large
     buffers are hashed on a second thread (hashlib releases the GIL) while this one writes them.
     """
 
-    def __init__(self, f: io.BufferedWriter) -> None:
+    def __init__(self, f: Any) -> None:
         super().__init__()
         self._f = f
         self._hash = hashlib.sha256()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash")
+        self.size = 0  # bytes written
 
     def writable(self) -> bool:
         return True
 
+    def tell(self) -> int:
+        return int(self._f.tell())
+
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
+        self.size += view.nbytes
         if view.nbytes < _CHUNK:
             self._hash.update(view)
             self._f.write(view)

@@ -2,14 +2,18 @@
 
 Object stores cannot rename, so the local rule (write a hidden directory, rename it into place)
 becomes: a save stages the checkpoint on the local disk with the very code a local save runs
-(:func:`staging`), then uploads every file under a prefix of its own, ``NAME/v-<time>-<random>/``,
-and ``meta.json`` (each file's size and SHA-256) last (:func:`commit`). A version is *committed*
-when its ``meta.json`` exists; readers follow only the newest committed version of ``NAME``
-(:func:`locate`). ``last`` is one small object next to the checkpoints holding the name it points
-at, written after the commit. Older versions of ``NAME`` (committed, or left by a killed save) are
-deleted only after that, ``meta.json`` first; a crash at any point leaves the previous ``last``
-loadable. A read downloads the committed files to a local temp folder and checks them there as a
-local load does (:func:`fetched`), so every guarantee of the reader holds unchanged.
+(:func:`staging`), then uploads every file under a prefix of its own, ``NAME/v-<ordinal>-<random>/``
+(:func:`begin`: the time, but above every version already there), and ``meta.json`` (each file's
+size and SHA-256) last (:func:`commit`). A sharded save's ranks upload their shards under that
+prefix themselves (DCP's fsspec writer, :mod:`.dcp_upload`); rank zero stages and commits the
+rest the same way. A version is *committed* when its ``meta.json`` exists; readers follow only
+the newest committed version of ``NAME`` (:func:`locate`). ``last`` is one small object next to
+the checkpoints holding the name it points at, written after the commit. Older versions of
+``NAME`` (committed, or left by a killed save) are deleted only after that, ``meta.json`` first,
+then ``keep_last`` deletes the checkpoints beside it least far in training, in the order of a
+local folder (step, then ``save_count``; never a clock); a crash at any point leaves the previous
+``last`` loadable. A read downloads the committed files to a local temp folder and checks them
+there as a local load does (:func:`fetched`), so every guarantee of the reader holds unchanged.
 
 ``file://`` URLs are local paths and take the local code path (:func:`local_path`).
 """
@@ -225,6 +229,12 @@ def abandon(target: CheckpointURL, version: str) -> None:
     """Delete what a save that failed uploaded under ``version`` of ``target`` (never committed)."""
     fs, root = _filesystem(target)
     _remove(fs, f"{root}/{version}")
+
+
+def uploaded(target: CheckpointURL, version: str, name: str) -> bytes:
+    """The bytes of the file ``name`` a save (not yet committed) uploaded under ``version`` of ``target``."""
+    fs, root = _filesystem(target)
+    return bytes(fs.cat_file(f"{root}/{version}/{name}"))
 
 
 def commit(
