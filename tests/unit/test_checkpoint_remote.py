@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import torchrig
 from conftest import trained_mlp
@@ -255,3 +256,39 @@ def test_without_fsspec_a_url_says_what_to_install(monkeypatch: pytest.MonkeyPat
         ImportError, match=r"saving to or loading from s3://b/ck needs fsspec: pip install 'torchrig\[remote\]'"
     ):
         torchrig.checkpoint.describe("s3://b/ck")
+
+
+def test_the_requests_of_a_save_do_not_grow_with_the_checkpoints_beside_it(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_count and keep_last read every committed checkpoint in the folder: in one listing and
+    one concurrent fetch of their meta.json objects, not a listing and a read per checkpoint."""
+    rig = _rig()
+    model = nn.Linear(2, 2)
+    reads: list[str] = []
+    inside: list[str] = []  # the request being made (what fsspec does inside it is not another one)
+    for name in ("ls", "find", "cat", "cat_file", "info", "exists"):
+        real = getattr(MemoryFileSystem, name)
+
+        def op(self: Any, *a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            if inside:
+                return _real(self, *a, **kw)
+            reads.append(_name)
+            inside.append(_name)
+            try:
+                return _real(self, *a, **kw)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(MemoryFileSystem, name, op)
+
+    def requests_of_a_save(siblings: int) -> list[str]:
+        for i in range(siblings):
+            rig.save(f"{memory_url}/ck-{len(reads)}-{i}", {"model": model, "step": i})
+        reads.clear()
+        rig.save(f"{memory_url}/new-{siblings}", {"model": model, "step": 99}, keep_last=100)
+        return sorted(reads)
+
+    few = requests_of_a_save(2)
+    assert "find" in few and "cat" in few  # the folder listed once, the meta.json objects fetched together
+    assert requests_of_a_save(10) == few

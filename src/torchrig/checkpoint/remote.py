@@ -274,30 +274,33 @@ def commit(
             _remove_name(fs, name)
 
 
-def _newest_meta(fs: Any, prefix: str) -> dict[str, Any] | None:
-    """The ``meta.json`` of the newest committed version under a checkpoint name (None: there is none)."""
-    for version in reversed(_versions(fs, prefix)):
-        try:
-            meta = json.loads(fs.cat_file(f"{version}/{META}"))
-        except FileNotFoundError:
-            continue
-        except ValueError:
-            return None
-        return meta if isinstance(meta, dict) and meta.get("format") is not None else None
-    return None
-
-
 def _committed_beside(fs: Any, root: str) -> list[tuple[dict[str, Any], str]]:
-    """The names next to ``root`` holding a committed torchrig checkpoint (``root`` left out), each
-    with the ``meta.json`` of its newest version."""
-    found = []
-    for entry in fs.ls(root.rsplit("/", 1)[0], detail=True):
-        path = entry["name"].rstrip("/")
-        if entry["type"] != "directory" or path == root or path.rsplit("/", 1)[-1].startswith("."):
+    """The names next to ``root`` holding a committed torchrig checkpoint (``root`` and hidden names
+    left out), each with the ``meta.json`` of its newest committed version.
+
+    Two requests whatever the number of checkpoints: one listing of every object under the folder
+    (one paginated LIST on S3), then the ``meta.json`` objects fetched concurrently.
+    """
+    parent = root.rsplit("/", 1)[0]
+    newest: dict[str, str] = {}
+    for key in fs.find(parent):
+        parts = key.rstrip("/")[len(parent) + 1 :].split("/")  # NAME, VERSION, meta.json
+        if len(parts) != 3 or parts[2] != META or not _VERSION.fullmatch(parts[1]) or parts[0].startswith("."):
             continue
-        meta = _newest_meta(fs, path)
-        if meta is not None:
-            found.append((meta, path))
+        name = f"{parent}/{parts[0]}"
+        if name != root and f"{name}/{parts[1]}" > newest.get(name, ""):
+            newest[name] = f"{name}/{parts[1]}"
+    if not newest:
+        return []
+    raw = fs.cat([f"{v}/{META}" for v in newest.values()], on_error="omit")  # one removed meanwhile: left out
+    found = []
+    for name, version in newest.items():
+        try:
+            meta = json.loads(raw[f"{version}/{META}"])
+        except (KeyError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("format") is not None:
+            found.append((meta, name))
     return found
 
 
