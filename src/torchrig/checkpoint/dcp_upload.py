@@ -43,8 +43,11 @@ class _HashingFileSystem(FileSystem):
                 yield stream
                 return
             writer = HashingWriter(stream)
-            yield writer  # DCP may close it: that closes the hashing view, the upload stream closes here
-        entry = {"sha256": writer.hexdigest(), "size": writer.size}
+            try:
+                yield writer  # DCP may close it: that closes the hashing view, the upload stream closes here
+            finally:
+                digest = writer.hexdigest()  # and its hashing thread ends, whatever happened
+        entry = {"sha256": digest, "size": writer.size}
         with self._lock:
             self.files[os.path.basename(os.fspath(path))] = entry
 
