@@ -47,12 +47,12 @@ def write(
     rig: Any, target: Path | CheckpointURL, payload: dict[str, Any], *, keep_last: int | None, link: str | None
 ) -> None:
     """Rank zero: write every file into a temp dir, fsync, then rename it into place (``payload``
-    passed :func:`check_weights_only`); on object storage, upload it by :class:`remote.Upload`'s rule."""
+    passed :func:`check_weights_only`); on object storage, upload it by :func:`remote.commit`'s rule."""
     if isinstance(target, CheckpointURL):
-        with remote.staging() as staged, remote.Upload(target, link=link) as upload:
+        with remote.staging() as staged:
             with uncommitted(staged, lambda: payload_bytes(payload)):  # the local staging copy
-                meta = fill(rig, staged, payload, written=upload.put)  # each file uploaded once written
-            upload.commit(staged, meta, keep_last=keep_last)
+                meta = fill(rig, staged, payload)
+            remote.commit(staged, target, meta, link=link, keep_last=keep_last)
         return
     with uncommitted(target, lambda: payload_bytes(payload)):
         tmp = prepare_target(target, link)
@@ -63,12 +63,10 @@ def write(
             raise
 
 
-def fill(
-    rig: Any, tmp: Path, payload: dict[str, Any], *, written: Callable[[Path], None] | None = None
-) -> dict[str, Any]:
-    """Write every file of a whole checkpoint into the folder ``tmp`` (``written(path)`` called as
-    each is done); its ``meta.json`` content, which the commit writes last."""
-    with FileSet(tmp, written=written) as files:
+def fill(rig: Any, tmp: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    """Write every file of a whole checkpoint into the folder ``tmp``; its ``meta.json`` content,
+    which the commit writes last."""
+    with FileSet(tmp) as files:
         blob, external, where = extract_tensors(payload["blob"])
         names = add_tensor_files(files, STATE_TENSORS, external) if external else []
         blob["external"] = {"files": names, "where": where}
@@ -201,7 +199,7 @@ def _start_whole(
     if not rig.is_global_zero:
         return None
     check_weights_only(payload["blob"])  # fails before any file is touched
-    if not isinstance(target, CheckpointURL):  # object storage has its own rule (remote.Upload)
+    if not isinstance(target, CheckpointURL):  # object storage has its own rule (remote.commit)
         check_target(target, link)  # here too, so a background save is refused at once
     ready: Callable[[], None] | None = None
     if not blocking:

@@ -136,21 +136,14 @@ class FileSet:
         >>> # with FileSet(tmp) as fs: fs.add("state.pt", lambda p: write_torch(p, obj)); fs.finish()
     """
 
-    def __init__(self, folder: Path, *, workers: int = 4, written: Callable[[Path], None] | None = None) -> None:
+    def __init__(self, folder: Path, *, workers: int = 4) -> None:
         self.folder = folder
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="torchrig-ckpt")
         self._jobs: dict[str, Future[str]] = {}
-        self._written = written
 
     def add(self, name: str, write: Callable[[Path], str]) -> None:
-        """Run ``write(path) -> sha256`` on a worker thread, then ``written(path)`` if given."""
-        self._jobs[name] = self._pool.submit(self._write, write, self.folder / name)
-
-    def _write(self, write: Callable[[Path], str], path: Path) -> str:
-        digest = write(path)
-        if self._written is not None:
-            self._written(path)  # an upload of a staged file starts while the others are written
-        return digest
+        """Run ``write(path) -> sha256`` on a worker thread."""
+        self._jobs[name] = self._pool.submit(write, self.folder / name)
 
     def finish(self) -> dict[str, dict[str, Any]]:
         """Wait for every write (re-raising the first error, ENOSPC included); the files table."""

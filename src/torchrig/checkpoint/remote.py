@@ -4,17 +4,16 @@ Object stores cannot rename, so the local rule (write a hidden directory, rename
 becomes: a save stages the checkpoint on the local disk with the very code a local save runs
 (:func:`staging`), then uploads every file under a prefix of its own, ``NAME/v-<ordinal>-<random>/``
 (:func:`begin`: the time, but above every version already there), and ``meta.json`` (each file's
-size and SHA-256) last (:class:`Upload`: each file is sent as soon as it is staged). A sharded
-save's ranks upload their shards under that prefix themselves (DCP's fsspec writer,
-:mod:`.dcp_upload`); rank zero stages and commits the rest the same way. A version is
-*committed* when its ``meta.json`` exists; readers follow only the newest committed version of
-``NAME`` (:func:`locate`). ``last`` is one small object next to the checkpoints holding the name
-it points at, written after the commit. Older versions of ``NAME`` (committed, or left by a
-killed save) are deleted only after that, ``meta.json`` first, then ``keep_last`` deletes the
-checkpoints beside it least far in training, in the order of a local folder (step, then
-``save_count``; never a clock); a crash at any point leaves the previous ``last`` loadable. A
-read downloads the committed files to a local temp folder and checks them there as a local load
-does (:func:`fetched`), so every guarantee of the reader holds unchanged.
+size and SHA-256) last (:func:`commit`). A sharded save's ranks upload their shards under that
+prefix themselves (DCP's fsspec writer, :mod:`.dcp_upload`); rank zero stages and commits the
+rest the same way. A version is *committed* when its ``meta.json`` exists; readers follow only
+the newest committed version of ``NAME`` (:func:`locate`). ``last`` is one small object next to
+the checkpoints holding the name it points at, written after the commit. Older versions of
+``NAME`` (committed, or left by a killed save) are deleted only after that, ``meta.json`` first,
+then ``keep_last`` deletes the checkpoints beside it least far in training, in the order of a
+local folder (step, then ``save_count``; never a clock); a crash at any point leaves the previous
+``last`` loadable. A read downloads the committed files to a local temp folder and checks them
+there as a local load does (:func:`fetched`), so every guarantee of the reader holds unchanged.
 
 ``file://`` URLs are local paths and take the local code path (:func:`local_path`).
 """
@@ -30,7 +29,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -233,60 +231,47 @@ def abandon(target: CheckpointURL, version: str) -> None:
     _remove(fs, f"{root}/{version}")
 
 
-class Upload:
-    """One save of ``target`` to object storage: its files under a version prefix of their own
-    (:func:`begin`, or ``version`` where a sharded save's ranks already uploaded their shards
-    there), each sent as soon as it is ready (:meth:`put`, on threads of its own, beside the
-    writing of the next), ``meta.json`` last (:meth:`commit`). Leaving the ``with`` block without a
-    commit deletes what was uploaded: nothing of a save that failed stays."""
+def uploaded(target: CheckpointURL, version: str, name: str) -> bytes:
+    """The bytes of the file ``name`` a save (not yet committed) uploaded under ``version`` of ``target``."""
+    fs, root = _filesystem(target)
+    return bytes(fs.cat_file(f"{root}/{version}/{name}"))
 
-    def __init__(self, target: CheckpointURL, *, link: str | None, version: str | None = None) -> None:
-        self.target, self.link = target, link
-        self.fs, self.root = _filesystem(target)
-        self.prefix = f"{self.root}/{version if version is not None else begin(target, link)}"
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="torchrig-upload")
-        self._sent: dict[str, Future[Any]] = {}
-        self._committed = False
 
-    def __enter__(self) -> Upload:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if not self._committed:
-            _remove(self.fs, self.prefix)
-
-    def put(self, path: Path) -> None:
-        """Start uploading the finished file ``path`` under the version's prefix."""
-        self._sent[path.name] = self._pool.submit(self.fs.put_file, str(path), f"{self.prefix}/{path.name}")
-
-    def read(self, name: str) -> bytes:
-        """The bytes of the file ``name`` already uploaded under the version's prefix."""
-        return bytes(self.fs.cat_file(f"{self.prefix}/{name}"))
-
-    def commit(self, staged: Path, meta: dict[str, Any], *, keep_last: int | None) -> None:
-        """Once the files of ``staged`` not yet sent are uploaded, ``meta`` as ``meta.json`` (the
-        commit); then the ``link`` object; then older versions of the name and, with ``keep_last``,
-        the checkpoints least far in training next to it go
-        (:func:`~torchrig.checkpoint.progress.least_advanced`, the order of a local save)."""
-        for name in sorted(p.name for p in staged.iterdir() if p.name != META and p.name not in self._sent):
-            self.put(staged / name)
-        for sent in self._sent.values():
-            sent.result()  # the first failure is raised here
-        beside = _committed_beside(self.fs, self.root)
+def commit(
+    staged: Path,
+    target: CheckpointURL,
+    meta: dict[str, Any],
+    *,
+    link: str | None,
+    keep_last: int | None,
+    version: str | None = None,
+) -> None:
+    """Upload the finished checkpoint folder ``staged`` as ``target``: its files under the prefix
+    ``version`` (a new one by default; a sharded save's shards are already there), ``meta`` as
+    ``meta.json`` last; then the ``link`` object; then older versions and, with ``keep_last``, the
+    checkpoints least far in training next to it go (:func:`~torchrig.checkpoint.progress.least_advanced`,
+    the order of a local save)."""
+    fs, root = _filesystem(target)
+    prefix = f"{root}/{version if version is not None else begin(target, link)}"
+    names = sorted(p.name for p in staged.iterdir() if p.name != META)
+    try:
+        if names:
+            fs.put([str(staged / n) for n in names], [f"{prefix}/{n}" for n in names])
+        beside = _committed_beside(fs, root)
         meta["save_count"] = next_save_count(m for m, _ in beside)  # the order of saves here, not a clock
         (staged / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        self.fs.put_file(str(staged / META), f"{self.prefix}/{META}")  # the commit
-        self._committed = True
-        if self.link is not None:
-            link = f"{self.root.rsplit('/', 1)[0]}/{self.link}"
-            self.fs.pipe_file(link, json.dumps({"checkpoint": self.target.name}).encode())
-        for old in _versions(self.fs, self.root):
-            if old < self.prefix:
-                _remove(self.fs, old)
-        if keep_last is not None:
-            for name in least_advanced(beside, keep_last):
-                _remove_name(self.fs, name)
+        fs.put_file(str(staged / META), f"{prefix}/{META}")  # the commit
+    except BaseException:
+        _remove(fs, prefix)  # nothing of an upload that failed stays
+        raise
+    if link is not None:
+        fs.pipe_file(f"{root.rsplit('/', 1)[0]}/{link}", json.dumps({"checkpoint": target.name}).encode())
+    for old in _versions(fs, root):
+        if old < prefix:
+            _remove(fs, old)
+    if keep_last is not None:
+        for name in least_advanced(beside, keep_last):
+            _remove_name(fs, name)
 
 
 def _committed_beside(fs: Any, root: str) -> list[tuple[dict[str, Any], str]]:

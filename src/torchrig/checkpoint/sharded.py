@@ -192,7 +192,7 @@ def start(
 class _Output:
     """Where a sharded save's files go before its commit: a hidden temp directory next to a local
     ``target`` (renamed into place), or a version prefix under a ``target`` on object storage
-    (committed by its ``meta.json``, :class:`remote.Upload`), that DCP writes through fsspec."""
+    (committed by its ``meta.json``, :func:`remote.commit`), that DCP writes through fsspec."""
 
     def __init__(self, target: Path | CheckpointURL, made: str) -> None:
         self.target = target
@@ -215,26 +215,20 @@ class _Output:
         else:
             discard(Path(self.made))
 
-    def commit(
-        self,
-        describe: Callable[[Path, dict[str, Any], bytes], dict[str, Any]],
-        *,
-        link: str | None,
-        keep_last: int | None,
-    ) -> None:
+    def commit(self, describe: Callable[[Path, dict[str, Any], bytes], dict[str, Any]], **how: Any) -> None:
         """Rank zero, once every shard is written: ``state.pt`` and ``meta.json`` (``describe(folder,
         shard_files, dcp_metadata_bytes)`` writes the one and returns the other), then the commit:
         a local temp directory is renamed into place, on object storage ``state.pt`` is uploaded
         beside the shards and ``meta.json`` last."""
         if isinstance(self.target, CheckpointURL):
-            with remote.staging() as staged, remote.Upload(self.target, link=link, version=self.made) as upload:
-                meta = describe(staged, self.writer.files, upload.read(DCP_METADATA))
-                upload.commit(staged, meta, keep_last=keep_last)
+            with remote.staging() as staged:
+                md = remote.uploaded(self.target, self.made, DCP_METADATA)
+                meta = describe(staged, self.writer.files, md)
+                remote.commit(staged, self.target, meta, version=self.made, **how)
             return
         tmp = Path(self.made)
         files = hash_existing(tmp, [p.name for p in tmp.iterdir()])  # DCP's files, on every rank's shared disk
-        meta = describe(tmp, files, read_regular(tmp / DCP_METADATA))
-        publish(tmp, self.target, meta, link=link, keep_last=keep_last)
+        publish(tmp, self.target, describe(tmp, files, read_regular(tmp / DCP_METADATA)), **how)
 
 
 #: Whether one DCP ``DefaultStager`` serves every background sharded save. Before torch 2.13 (seen
