@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import torchrig
@@ -55,7 +57,7 @@ def _version(url: str) -> str:
     return str(version)
 
 
-def test_a_sharded_checkpoint_round_trips_with_every_file_hashed_on_upload(memory_url: str) -> None:
+def test_a_sharded_checkpoint_round_trips_with_every_file_hashed_on_upload(memory_url: str, tmp_path: Path) -> None:
     rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
     model, optimizer = _fsdp(rig, 0)
     assert rig.save(f"{memory_url}/ck", {"model": model, "optimizer": optimizer, "step": 3}) == f"{memory_url}/ck"
@@ -73,6 +75,10 @@ def test_a_sharded_checkpoint_round_trips_with_every_file_hashed_on_upload(memor
     other, other_opt = _fsdp(rig, 1)
     assert rig.load(f"{memory_url}/last", {"model": other, "optimizer": other_opt}) == {"step": 3}
     assert all(torch.equal(a, b) for a, b in zip(_full(model, optimizer), _full(other, other_opt), strict=True))
+
+    weights = load_file(torchrig.checkpoint.consolidate(f"{memory_url}/last", tmp_path / "w.safetensors"))
+    assert weights.keys() == model.state_dict().keys()  # one file, read in this process without DCP's group
+    assert all(torch.equal(weights[k], v.full_tensor()) for k, v in model.state_dict().items())
 
 
 def test_a_background_sharded_save_uploads_on_its_thread(memory_url: str) -> None:
