@@ -14,27 +14,38 @@ import torchrig
 fsspec = pytest.importorskip("fsspec")
 
 
-def _fit(tmp: Path, url: str, epochs: int, ckpt_path: str | None = None) -> tuple[torchrig.ModelCheckpoint, Regressor]:
+def _fit(
+    tmp: Path, url: str, epochs: int, ckpt_path: str | None = None, strategy: str = "auto"
+) -> tuple[torchrig.ModelCheckpoint, Regressor]:
     torch.manual_seed(0)
     cb = torchrig.ModelCheckpoint(dirpath=url, save_last=True)
-    trainer = quiet_trainer(tmp, max_epochs=epochs, enable_checkpointing=True, callbacks=[cb])
+    trainer = quiet_trainer(tmp, max_epochs=epochs, enable_checkpointing=True, callbacks=[cb], strategy=strategy)
     module = Regressor()
     trainer.fit(module, loader(16, shuffle=True), ckpt_path=ckpt_path)
     return cb, module
 
 
-@pytest.mark.timeout(60)
-def test_a_fit_resumes_from_object_storage_exactly(tmp_path: Path, memory_url: str) -> None:
-    _, whole = _fit(tmp_path / "whole", f"{memory_url}/whole", 4)
-    cb, _ = _fit(tmp_path / "a", f"{memory_url}/run", 2)
+def _whole(module: Regressor) -> list[torch.Tensor]:
+    """The module's parameters, whole (an FSDP-sharded one gathered)."""
+    return [getattr(p, "full_tensor", p.detach)() for p in params(module)]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])  # whole checkpoints, and sharded ones through DCP
+def test_a_fit_resumes_from_object_storage_exactly(tmp_path: Path, memory_url: str, strategy: str) -> None:
+    _, whole = _fit(tmp_path / "whole", f"{memory_url}/whole", 4, strategy=strategy)
+    cb, _ = _fit(tmp_path / "a", f"{memory_url}/run", 2, strategy=strategy)
     fs = fsspec.filesystem("memory")
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{memory_url.removeprefix('memory://')}/run", detail=False))
     assert names == ["epoch=1-step=8", "last"]  # save_top_k=1: epoch 0's checkpoint was removed
     assert cb.last_model_path == f"{memory_url}/run/epoch=1-step=8"
-    _, again = _fit(tmp_path / "c", f"{memory_url}/other", 4, ckpt_path=f"{memory_url}/run/epoch=1-step=8")
-    assert all(torch.equal(a, b) for a, b in zip(params(whole), params(again), strict=True))
-    _, resumed = _fit(tmp_path / "b", f"{memory_url}/run", 4, ckpt_path="last")
-    assert all(torch.equal(a, b) for a, b in zip(params(whole), params(resumed), strict=True))
+    assert torchrig.checkpoint.describe(cb.last_model_path)["sharded"] is (strategy == "fsdp")
+    again_path = f"{memory_url}/run/epoch=1-step=8"
+    _, again = _fit(tmp_path / "c", f"{memory_url}/other", 4, ckpt_path=again_path, strategy=strategy)
+    assert all(torch.equal(a, b) for a, b in zip(_whole(whole), _whole(again), strict=True))
+    _, resumed = _fit(tmp_path / "b", f"{memory_url}/run", 4, ckpt_path="last", strategy=strategy)
+    assert all(torch.equal(a, b) for a, b in zip(_whole(whole), _whole(resumed), strict=True))
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{memory_url.removeprefix('memory://')}/run", detail=False))
     assert names == ["epoch=3-step=16", "last"]  # the resumed fit's retention removed what the callback wrote
 

@@ -2,7 +2,8 @@
 the commit rule (files under a prefix of their own, meta.json last, ``last`` a pointer object),
 a death at every step of an upload, tampering, retention, background saves and the CLI.
 
-The same rules against a real S3 server (moto) and the real s3fs client: test_checkpoint_s3.py.
+Sharded (FSDP) checkpoints: test_checkpoint_remote_sharded.py. The same rules against a real S3
+server (moto) and the real s3fs client: test_checkpoint_s3.py.
 """
 
 from __future__ import annotations
@@ -83,21 +84,27 @@ class _Died(BaseException):
     """The process is gone: nothing after this runs (not even clean-up)."""
 
 
-def _die_at(monkeypatch: pytest.MonkeyPatch, k: int, seen: list[str]) -> None:
-    """From the k-th change on, every change of the in-memory store fails: the saving process died there."""
+WHOLE_CHANGES = ("put_file", "pipe_file", "rm_file", "rmdir")
+
+
+def _die_at(monkeypatch: pytest.MonkeyPatch, k: int, seen: list[str], changes: tuple[str, ...] = WHOLE_CHANGES) -> None:
+    """From the k-th change on, every change of the in-memory store fails: the saving process died
+    there. ``changes`` names the methods that change it (``_open`` counts only when writing)."""
 
     def wrap(name: str) -> None:
         real = getattr(MemoryFileSystem, name)
 
         def op(self: Any, *a: Any, **kw: Any) -> Any:
-            seen.append(f"{name} {a[-1] if name == 'put_file' else a[0]}")
+            if name == "_open" and "w" not in (a[1] if len(a) > 1 else kw.get("mode", "rb")):
+                return real(self, *a, **kw)
+            seen.append(f"{name} {a[-1] if name in ('put_file', 'cp_file') else a[0]}")
             if len(seen) >= k:
                 raise _Died(name)
             return real(self, *a, **kw)
 
         monkeypatch.setattr(MemoryFileSystem, name, op)
 
-    for name in ("put_file", "pipe_file", "rm_file", "rmdir"):
+    for name in changes:
         wrap(name)
 
 
@@ -241,16 +248,6 @@ def test_inspect_and_consolidate_read_urls(memory_url: str, tmp_path: Path, caps
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process warns about it
-@pytest.mark.timeout(60)
-def test_a_sharded_save_to_object_storage_is_refused_before_anything_is_written(memory_url: str) -> None:
-    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
-    model = rig.prepare(nn.Linear(8, 8))
-    with pytest.raises(ValueError, match=r"sharded \(FSDP\) checkpoints are written to local or shared file systems"):
-        rig.save(f"{memory_url}/ck", {"model": model, "step": 1})
-    assert not _fs().exists(memory_url.removeprefix("memory://"))
-
-
 def test_without_fsspec_a_url_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
@@ -259,3 +256,39 @@ def test_without_fsspec_a_url_says_what_to_install(monkeypatch: pytest.MonkeyPat
         ImportError, match=r"saving to or loading from s3://b/ck needs fsspec: pip install 'torchrig\[remote\]'"
     ):
         torchrig.checkpoint.describe("s3://b/ck")
+
+
+def test_the_requests_of_a_save_do_not_grow_with_the_checkpoints_beside_it(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_count and keep_last read every committed checkpoint in the folder: in one listing and
+    one concurrent fetch of their meta.json objects, not a listing and a read per checkpoint."""
+    rig = _rig()
+    model = nn.Linear(2, 2)
+    reads: list[str] = []
+    inside: list[str] = []  # the request being made (what fsspec does inside it is not another one)
+    for name in ("ls", "find", "cat", "cat_file", "info", "exists"):
+        real = getattr(MemoryFileSystem, name)
+
+        def op(self: Any, *a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            if inside:
+                return _real(self, *a, **kw)
+            reads.append(_name)
+            inside.append(_name)
+            try:
+                return _real(self, *a, **kw)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(MemoryFileSystem, name, op)
+
+    def requests_of_a_save(siblings: int) -> list[str]:
+        for i in range(siblings):
+            rig.save(f"{memory_url}/ck-{len(reads)}-{i}", {"model": model, "step": i})
+        reads.clear()
+        rig.save(f"{memory_url}/new-{siblings}", {"model": model, "step": 99}, keep_last=100)
+        return sorted(reads)
+
+    few = requests_of_a_save(2)
+    assert "find" in few and "cat" in few  # the folder listed once, the meta.json objects fetched together
+    assert requests_of_a_save(10) == few

@@ -1,6 +1,7 @@
 """Checkpoints on a real S3-compatible server on localhost (moto in server mode, started here),
 through the real s3fs client: save/load/resume exact, a kill at every upload step keeps ``last``
-loadable, a tampered object is refused.
+loadable, a tampered object is refused; 2 DDP ranks save in the background, 2 FSDP ranks upload
+their shards through DCP's fsspec writer, resume exactly, and a kill before the commit keeps ``last``.
 
 The client finds the server the way a user points it at theirs: ``AWS_ENDPOINT_URL`` and the
 ``AWS_*`` credentials in the environment (botocore reads them). Skipped without moto/s3fs.
@@ -213,3 +214,106 @@ def test_two_ddp_ranks_save_in_the_background_and_load_back(bucket: str, tmp_pat
     )
     assert {p.name for p in tmp_path.glob("ok-*")} == {"ok-0", "ok-1"}
     assert torchrig.checkpoint.describe(f"s3://{bucket}/ddp/last")["world_size"] == 2
+
+
+# Two FSDP ranks (gloo): DCP's fsspec writer uploads each rank's shards to the server. "train" saves
+# step 2 (blocking) and step 4 (in the background, while steps 5-6 train), writes the weights and
+# moments after step 6, then saves step 6 and rank 0 dies (os._exit) as it is about to upload that
+# save's meta.json: every shard and state.pt are on the server, the commit is not. "resume" loads
+# ``last`` on 2 new processes, trains steps 5-6 again and must reach the same weights exactly.
+FSDP_SCRIPT = r"""
+import os, sys, threading, time
+from pathlib import Path
+import s3fs, torch, torchrig
+from torch import nn
+
+phase, folder = sys.argv[1], Path(sys.argv[2])
+url = os.environ["TEST_S3_URL"]
+rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="fsdp")
+torch.manual_seed(0)
+model = rig.prepare(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)))
+optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=0.05))
+state = {"model": model, "optimizer": optimizer}
+
+def train(first, last):
+    for step in range(first, last + 1):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rig.global_rank))
+        rig.backward(model(x).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+def whole():
+    out = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
+    for i, s in enumerate(optimizer.state.values()):
+        out.update({f"opt.{i}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()})
+    return out
+
+if phase == "train":
+    train(1, 2)
+    assert rig.save(f"{url}/step-2", {**state, "step": 2}, keep_last=2) == f"{url}/step-2"
+    train(3, 4)
+    handle = rig.save(f"{url}/step-4", {**state, "step": 4}, keep_last=2, blocking=False)
+    train(5, 6)
+    assert handle.wait() == f"{url}/step-4"
+    final = whole()
+    pid0 = rig.broadcast(os.getpid())  # rank 0's
+    if rig.is_global_zero:
+        torch.save(final, folder / "final.pt")
+        real = s3fs.S3FileSystem._put_file
+        async def put_file(self, lpath, rpath, *a, **kw):
+            if str(rpath).endswith("/meta.json"):
+                os._exit(17)  # killed: no clean-up of any kind
+            return await real(self, lpath, rpath, *a, **kw)
+        s3fs.S3FileSystem._put_file = put_file
+        s3fs.S3FileSystem.clear_instance_cache()  # an instance binds its sync methods when made
+    else:
+        def watch(pid):  # rank 1 goes when rank 0 is gone (it would wait for its outcome until a timeout)
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    os._exit(18)
+                time.sleep(0.05)
+        threading.Thread(target=watch, args=(pid0,), daemon=True).start()
+    try:
+        rig.save(f"{url}/step-6", {**state, "step": 6}, keep_last=2)
+    except BaseException:
+        os._exit(19)
+    os._exit(20)
+else:
+    assert rig.load(f"{url}/last", state) == {"step": 4}
+    train(5, 6)
+    final = torch.load(folder / "final.pt")
+    now = whole()
+    assert now.keys() == final.keys() and all(torch.equal(now[k], final[k]) for k in final), "not resumed exactly"
+    rig.save(f"{url}/step-6", {**state, "step": 6}, keep_last=2)
+    (folder / f"ok-{rig.global_rank}").touch()
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.timeout(200)
+def test_two_fsdp_ranks_upload_shards_resume_exactly_and_survive_a_kill(bucket: str, tmp_path: Path) -> None:
+    from test_checkpoint_distributed import launch
+
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP_SCRIPT)
+    url = f"s3://{bucket}/fsdp"
+    env = {**S3_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"], "TEST_S3_URL": url}
+    (rank0, out0), _ = launch("train", tmp_path, script=str(script), extra_env=env, check=False)
+    assert rank0 == 17, out0[-3000:]  # killed as it was about to commit step 6
+
+    fs = s3fs.S3FileSystem()
+    (version,) = fs.ls(f"{bucket}/fsdp/step-6", refresh=True)
+    uploaded = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(version, refresh=True))
+    assert uploaded == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]  # everything but meta.json
+    info = torchrig.checkpoint.describe(f"{url}/last")
+    assert (info["step"], info["sharded"], info["world_size"]) == (4, True, 2)  # the previous one
+    assert all(ok for _, _, ok in info["verified"])
+
+    launch("resume", tmp_path, script=str(script), extra_env=env)
+    assert {p.name for p in tmp_path.glob("ok-*")} == {"ok-0", "ok-1"}
+    assert torchrig.checkpoint.describe(f"{url}/last")["step"] == 6
+    assert len(fs.ls(f"{bucket}/fsdp/step-6", refresh=True)) == 1  # the dead upload was tidied
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/fsdp", refresh=True)) == ["last", "step-4", "step-6"]

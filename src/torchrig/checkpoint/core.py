@@ -51,8 +51,8 @@ def write(
     if isinstance(target, CheckpointURL):
         with remote.staging() as staged:
             with uncommitted(staged, lambda: payload_bytes(payload)):  # the local staging copy
-                remote.stage_meta(staged, fill(rig, staged, payload))
-            remote.commit(staged, target, link=link, keep_last=keep_last)
+                meta = fill(rig, staged, payload)
+            remote.commit(staged, target, meta, link=link, keep_last=keep_last)
         return
     with uncommitted(target, lambda: payload_bytes(payload)):
         tmp = prepare_target(target, link)
@@ -159,11 +159,6 @@ def save(
     if not isinstance(blocking, bool):
         raise TypeError(f"save(blocking={blocking!r}) must be True or False")
     target: Path | CheckpointURL = remote.as_url(path) or Path(remote.local_path(path)).absolute()
-    if isinstance(target, CheckpointURL) and rig.strategy.sharded:
-        raise ValueError(
-            f"save({target!r}): sharded (FSDP) checkpoints are written to local or shared file systems only; "
-            "save to a path, or consolidate the checkpoint and upload it"
-        )
     if link is not None and target.name == link:
         raise ValueError(
             f"cannot save to {target}: {link!r} is the link torchrig points at the newest checkpoint; "
@@ -179,7 +174,7 @@ def save(
     job: Callable[[], None] | None
     with handle.starting(publish):
         if rig.strategy.sharded:
-            job = sharded.start(rig, Path(target), state, keep_last=keep_last, link=link, blocking=blocking)
+            job = sharded.start(rig, target, state, keep_last=keep_last, link=link, blocking=blocking)
         else:
             job = _start_whole(rig, target, state, handle, keep_last=keep_last, link=link, blocking=blocking)
     handle.start(job, background=not blocking, publish=publish)

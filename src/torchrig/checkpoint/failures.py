@@ -10,12 +10,16 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchrig.checkpoint.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from torchrig.checkpoint.remote import CheckpointURL
+
 
 @contextlib.contextmanager
-def uncommitted(target: Path, needed: Callable[[], int]) -> Iterator[None]:
+def uncommitted(target: Path | CheckpointURL, needed: Callable[[], int]) -> Iterator[None]:
     """Turn a failure of a save before its commit into a :class:`CheckpointError` that says so and
     that nothing was replaced (a full disk or no inodes named as such, with ``needed()`` bytes).
 
@@ -31,7 +35,9 @@ def uncommitted(target: Path, needed: Callable[[], int]) -> Iterator[None]:
         raise failure from err
 
 
-def _not_committed(err: BaseException, target: Path, needed: Callable[[], int]) -> CheckpointError | None:
+def _not_committed(
+    err: BaseException, target: Path | CheckpointURL, needed: Callable[[], int]
+) -> CheckpointError | None:
     if isinstance(err, CheckpointError):  # a refusal, or a failure after the commit saying so
         return None
     if _no_space(err):
@@ -69,7 +75,7 @@ def _no_space(err: BaseException | None) -> bool:
 _FEW_INODES = 1024  # fewer free than this after a save failed for want of space: inodes ran out
 
 
-def _no_space_error(target: Path, needed: int) -> CheckpointError:
+def _no_space_error(target: Path | CheckpointURL, needed: int) -> CheckpointError:
     """What a full disk says: the room the checkpoint needs and what is free, in bytes and inodes
     (measured once the temp directory is gone); with bytes to spare, it ran out of inodes (or a quota)."""
     nothing = "nothing was replaced (the previous checkpoint and the link are as they were)"

@@ -30,7 +30,7 @@ import torch
 
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import META
-from torchrig.checkpoint.progress import checkpoints_beside, progress
+from torchrig.checkpoint.progress import checkpoints_beside, least_advanced, next_save_count, progress
 from torchrig.checkpoint.reading import read_meta_quiet, sha256_file
 from torchrig.checkpoint.targets import NAME_MAX, check_link, check_target
 
@@ -81,23 +81,29 @@ def fsync_dir(path: Path) -> None:
 
 
 class HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through, the hash beside the write.
+    """A write-only file (a local one, or an upload stream of fsspec's) that hashes what passes
+    through, the hash beside the write.
 
     ``torch.save`` hands over each tensor's bytes in one call, valid only during it: large
     buffers are hashed on a second thread (hashlib releases the GIL) while this one writes them.
     """
 
-    def __init__(self, f: io.BufferedWriter) -> None:
+    def __init__(self, f: Any) -> None:
         super().__init__()
         self._f = f
         self._hash = hashlib.sha256()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash")
+        self.size = 0  # bytes written
 
     def writable(self) -> bool:
         return True
 
+    def tell(self) -> int:
+        return int(self._f.tell())
+
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
+        self.size += view.nbytes
         if view.nbytes < _CHUNK:
             self._hash.update(view)
             self._f.write(view)
@@ -167,8 +173,7 @@ def write_meta(folder: Path, meta: dict[str, Any], target: Path) -> None:
     saves in that folder, which ranks checkpoints of the same step (:func:`progress`), whatever
     the clocks of the machines that wrote them say.
     """
-    counts = [int(m.get("save_count", 0)) for m, _ in checkpoints_beside(target)]
-    meta["save_count"] = max(counts, default=0) + 1
+    meta["save_count"] = next_save_count(m for m, _ in checkpoints_beside(target))
     _write_fsync(folder / META, json.dumps(meta, indent=1, sort_keys=True).encode())
     fsync_dir(folder)
 
@@ -383,8 +388,7 @@ def apply_retention(target: Path, keep_last: int) -> list[Path]:
     Another process may save and prune in the same folder: a checkpoint it removed meanwhile is
     simply no longer counted.
     """
-    found = sorted(((progress(m), p) for m, p in checkpoints_beside(target)), key=lambda f: f[0])
-    doomed = [p for _, p in found[: max(0, len(found) - (keep_last - 1))]]
+    doomed = least_advanced(checkpoints_beside(target), keep_last)
     for p in doomed:
         _remove_checkpoint(p, ignore_errors=False)
     return doomed

@@ -3,8 +3,9 @@ choice among interrupted copies order by (the step, then the order of saves; nev
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torchrig.checkpoint.reading import read_meta_quiet
 
@@ -20,6 +21,23 @@ def progress(meta: dict[str, Any] | None) -> tuple[int, float, int]:
     if isinstance(step, (int, float)) and not isinstance(step, bool) and step == step:  # not NaN
         return (1, float(step), count)
     return (0, 0.0, count)
+
+
+_Where = TypeVar("_Where")
+
+
+def next_save_count(metas: Iterable[dict[str, Any]]) -> int:
+    """The ``save_count`` of a new checkpoint: one more than any of ``metas`` (those beside it) has."""
+    return max((int(m.get("save_count", 0)) for m in metas), default=0) + 1
+
+
+def least_advanced(found: Iterable[tuple[dict[str, Any] | None, _Where]], keep_last: int) -> list[_Where]:
+    """What ``keep_last`` removes of the checkpoints ``found`` beside a new one (each with its
+    ``meta.json`` and where it is): those least far in training (:func:`progress`), so that
+    ``keep_last`` remain counting the new one. The one order of retention, on a disk or on object
+    storage."""
+    ranked = sorted(found, key=lambda f: progress(f[0]))
+    return [where for _, where in ranked[: max(0, len(ranked) - (keep_last - 1))]]
 
 
 def checkpoints_beside(target: Path) -> list[tuple[dict[str, Any], Path]]:

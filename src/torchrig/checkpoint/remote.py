@@ -2,14 +2,18 @@
 
 Object stores cannot rename, so the local rule (write a hidden directory, rename it into place)
 becomes: a save stages the checkpoint on the local disk with the very code a local save runs
-(:func:`staging`), then uploads every file under a prefix of its own, ``NAME/v-<time>-<random>/``,
-and ``meta.json`` (each file's size and SHA-256) last (:func:`commit`). A version is *committed*
-when its ``meta.json`` exists; readers follow only the newest committed version of ``NAME``
-(:func:`locate`). ``last`` is one small object next to the checkpoints holding the name it points
-at, written after the commit. Older versions of ``NAME`` (committed, or left by a killed save) are
-deleted only after that, ``meta.json`` first; a crash at any point leaves the previous ``last``
-loadable. A read downloads the committed files to a local temp folder and checks them there as a
-local load does (:func:`fetched`), so every guarantee of the reader holds unchanged.
+(:func:`staging`), then uploads every file under a prefix of its own, ``NAME/v-<ordinal>-<random>/``
+(:func:`begin`: the time, but above every version already there), and ``meta.json`` (each file's
+size and SHA-256) last (:func:`commit`). A sharded save's ranks upload their shards under that
+prefix themselves (DCP's fsspec writer, :mod:`.dcp_upload`); rank zero stages and commits the
+rest the same way. A version is *committed* when its ``meta.json`` exists; readers follow only
+the newest committed version of ``NAME`` (:func:`locate`). ``last`` is one small object next to
+the checkpoints holding the name it points at, written after the commit. Older versions of
+``NAME`` (committed, or left by a killed save) are deleted only after that, ``meta.json`` first,
+then ``keep_last`` deletes the checkpoints beside it least far in training, in the order of a
+local folder (step, then ``save_count``; never a clock); a crash at any point leaves the previous
+``last`` loadable. A read downloads the committed files to a local temp folder and checks them
+there as a local load does (:func:`fetched`), so every guarantee of the reader holds unchanged.
 
 ``file://`` URLs are local paths and take the local code path (:func:`local_path`).
 """
@@ -31,6 +35,7 @@ from typing import Any
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.files import resolve_checkpoint
 from torchrig.checkpoint.meta import META, META_LIMIT
+from torchrig.checkpoint.progress import least_advanced, next_save_count
 from torchrig.checkpoint.reading import read_meta
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
@@ -204,72 +209,99 @@ def _remove(fs: Any, prefix: str) -> None:
         fs.rm(prefix, recursive=True)
 
 
-def stage_meta(staged: Path, meta: dict[str, Any]) -> None:
-    """``meta.json`` into the staged folder (uploaded last by :func:`commit`)."""
-    (staged / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
-
-
-def commit(staged: Path, target: CheckpointURL, *, link: str | None, keep_last: int | None) -> None:
-    """Upload the finished checkpoint folder ``staged`` as ``target``: its files under a prefix of
-    their own, ``meta.json`` last; then the ``link`` object; then older versions and, with
-    ``keep_last``, the oldest committed checkpoints next to it go."""
+def begin(target: CheckpointURL, link: str | None) -> str:
+    """A new save of ``target``: the ``link`` beside it checked (a folder there is refused before
+    anything is written), and the name of the version prefix its files go under,
+    ``v-<ordinal>-<random>``. The ordinal is the save's time in ns, but always above every
+    version already under the name (a clock that jumped back never hides the new version)."""
     fs, root = _filesystem(target)
-    parent = root.rsplit("/", 1)[0]
-    if link is not None and fs.isdir(f"{parent}/{link}"):
+    if link is not None and fs.isdir(f"{root.rsplit('/', 1)[0]}/{link}"):
         raise CheckpointError(
             f"cannot update the {link!r} link: {target.parent / link} holds objects (it is not a torchrig link "
             "object); remove them or pass link=None"
         )
-    version = f"{root}/v-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+    versions = _versions(fs, root)
+    after = int(versions[-1].rsplit("/", 1)[-1][2:22]) + 1 if versions else 0
+    return f"v-{max(time.time_ns(), after):020d}-{uuid.uuid4().hex[:8]}"
+
+
+def abandon(target: CheckpointURL, version: str) -> None:
+    """Delete what a save that failed uploaded under ``version`` of ``target`` (never committed)."""
+    fs, root = _filesystem(target)
+    _remove(fs, f"{root}/{version}")
+
+
+def uploaded(target: CheckpointURL, version: str, name: str) -> bytes:
+    """The bytes of the file ``name`` a save (not yet committed) uploaded under ``version`` of ``target``."""
+    fs, root = _filesystem(target)
+    return bytes(fs.cat_file(f"{root}/{version}/{name}"))
+
+
+def commit(
+    staged: Path,
+    target: CheckpointURL,
+    meta: dict[str, Any],
+    *,
+    link: str | None,
+    keep_last: int | None,
+    version: str | None = None,
+) -> None:
+    """Upload the finished checkpoint folder ``staged`` as ``target``: its files under the prefix
+    ``version`` (a new one by default; a sharded save's shards are already there), ``meta`` as
+    ``meta.json`` last; then the ``link`` object; then older versions and, with ``keep_last``, the
+    checkpoints least far in training next to it go (:func:`~torchrig.checkpoint.progress.least_advanced`,
+    the order of a local save)."""
+    fs, root = _filesystem(target)
+    prefix = f"{root}/{version if version is not None else begin(target, link)}"
     names = sorted(p.name for p in staged.iterdir() if p.name != META)
     try:
         if names:
-            fs.put([str(staged / n) for n in names], [f"{version}/{n}" for n in names])
-        fs.put_file(str(staged / META), f"{version}/{META}")  # the commit
+            fs.put([str(staged / n) for n in names], [f"{prefix}/{n}" for n in names])
+        beside = _committed_beside(fs, root)
+        meta["save_count"] = next_save_count(m for m, _ in beside)  # the order of saves here, not a clock
+        (staged / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        fs.put_file(str(staged / META), f"{prefix}/{META}")  # the commit
     except BaseException:
-        _remove(fs, version)  # nothing of an upload that failed stays
+        _remove(fs, prefix)  # nothing of an upload that failed stays
         raise
     if link is not None:
-        fs.pipe_file(f"{parent}/{link}", json.dumps({"checkpoint": target.name}).encode())
+        fs.pipe_file(f"{root.rsplit('/', 1)[0]}/{link}", json.dumps({"checkpoint": target.name}).encode())
     for old in _versions(fs, root):
-        if old < version:
+        if old < prefix:
             _remove(fs, old)
     if keep_last is not None:
-        apply_retention(fs, root, keep_last)
+        for name in least_advanced(beside, keep_last):
+            _remove_name(fs, name)
 
 
-def _newest_meta(fs: Any, prefix: str) -> dict[str, Any] | None:
-    """The ``meta.json`` of the newest committed version under a checkpoint name (None: there is none)."""
-    for version in reversed(_versions(fs, prefix)):
-        try:
-            meta = json.loads(fs.cat_file(f"{version}/{META}"))
-        except FileNotFoundError:
-            continue
-        except ValueError:
-            return None
-        return meta if isinstance(meta, dict) and meta.get("format") is not None else None
-    return None
+def _committed_beside(fs: Any, root: str) -> list[tuple[dict[str, Any], str]]:
+    """The names next to ``root`` holding a committed torchrig checkpoint (``root`` and hidden names
+    left out), each with the ``meta.json`` of its newest committed version.
 
-
-def apply_retention(fs: Any, root: str, keep_last: int) -> list[str]:
-    """Delete the oldest committed checkpoints next to ``root`` so that ``keep_last`` remain.
-
-    Only names holding a committed torchrig checkpoint count; ``root`` itself is kept.
+    Two requests whatever the number of checkpoints: one listing of every object under the folder
+    (one paginated LIST on S3), then the ``meta.json`` objects fetched concurrently.
     """
     parent = root.rsplit("/", 1)[0]
-    found: list[tuple[int, str]] = []
-    for entry in fs.ls(parent, detail=True):
-        path = entry["name"].rstrip("/")
-        if entry["type"] != "directory" or path == root or path.rsplit("/", 1)[-1].startswith("."):
+    newest: dict[str, str] = {}
+    for key in fs.find(parent):
+        parts = key.rstrip("/")[len(parent) + 1 :].split("/")  # NAME, VERSION, meta.json
+        if len(parts) != 3 or parts[2] != META or not _VERSION.fullmatch(parts[1]) or parts[0].startswith("."):
             continue
-        meta = _newest_meta(fs, path)
-        if meta is not None:
-            found.append((int(meta.get("saved_at_ns", 0)), path))
-    found.sort()
-    doomed = [p for _, p in found[: max(0, len(found) - (keep_last - 1))]]
-    for prefix in doomed:
-        _remove_name(fs, prefix)
-    return doomed
+        name = f"{parent}/{parts[0]}"
+        if name != root and f"{name}/{parts[1]}" > newest.get(name, ""):
+            newest[name] = f"{name}/{parts[1]}"
+    if not newest:
+        return []
+    raw = fs.cat([f"{v}/{META}" for v in newest.values()], on_error="omit")  # one removed meanwhile: left out
+    found = []
+    for name, version in newest.items():
+        try:
+            meta = json.loads(raw[f"{version}/{META}"])
+        except (KeyError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("format") is not None:
+            found.append((meta, name))
+    return found
 
 
 def _remove_name(fs: Any, prefix: str) -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.torch_version import TorchVersion
 
+from torchrig.checkpoint import remote
 from torchrig.checkpoint.compare import compare_module, load_problems
 from torchrig.checkpoint.dcp_safe import (
     checked_reader,
@@ -42,6 +43,7 @@ from torchrig.checkpoint.files import (
 )
 from torchrig.checkpoint.meta import DCP_METADATA, STATE_FILE
 from torchrig.checkpoint.reading import VerifiedReader, read_regular, safe_torch_load
+from torchrig.checkpoint.remote import CheckpointURL
 from torchrig.checkpoint.restore import apply_loaded
 from torchrig.checkpoint.snapshot import host_buffers, to_host
 from torchrig.checkpoint.storable import check_weights_only
@@ -107,7 +109,13 @@ def _stateless_in(md: Any, optims: dict[str, Any]) -> frozenset[str]:
 
 
 def start(
-    rig: Any, target: Path, state: dict[str, Any], *, keep_last: int | None, link: str | None, blocking: bool
+    rig: Any,
+    target: Path | CheckpointURL,
+    state: dict[str, Any],
+    *,
+    keep_last: int | None,
+    link: str | None,
+    blocking: bool,
 ) -> Callable[[], None]:
     """Every rank hands its shards to DCP, all into one temp dir; returns this rank's job: wait
     until the shards are written, then (rank zero) hash, describe and commit the directory.
@@ -127,16 +135,19 @@ def start(
     if rig.is_global_zero:
         try:
             with uncommitted(target, lambda: 0):
-                made = ("tmp", str(prepare_target(target, link)))
+                if isinstance(target, CheckpointURL):
+                    made = ("tmp", remote.begin(target, link))
+                else:
+                    made = ("tmp", str(prepare_target(target, link)))
         except CheckpointError as err:  # every rank refuses the save, none is left waiting
             made = ("refused", str(err))
     kind, text = rig.broadcast(made)
     if kind == "refused":
         raise CheckpointError(text)
-    tmp = Path(text)
+    out = _Output(target, text)
     ready: Callable[[], None] | None = None
     if blocking:
-        written: Callable[[], Any] = functools.partial(dcp.save, shards, checkpoint_id=tmp)
+        written: Callable[[], Any] = functools.partial(dcp.save, shards, **out.dcp_destination)
     else:
         buffers = host_buffers(rig)
         stager = buffers.dcp_stager
@@ -147,7 +158,7 @@ def start(
                 buffers.dcp_stager = stager  # the next save reuses its host copies
         future = dcp.async_save(
             shards,
-            checkpoint_id=tmp,
+            **out.dcp_destination,
             process_group=_save_group(rig),
             async_checkpointer_type=AsyncCheckpointerType.THREAD,  # its process mode hung on CPU
             async_stager=stager,
@@ -169,13 +180,55 @@ def start(
                 if rig.is_global_zero:
                     if ready is not None:
                         ready()
-                    _finish(rig, tmp, target, payload, modules, optims, keep_last=keep_last, link=link)
+                    _finish(rig, out, payload, modules, optims, keep_last=keep_last, link=link)
             except BaseException:
                 if rig.is_global_zero:
-                    discard(tmp)
+                    out.discard()
                 raise
 
     return job
+
+
+class _Output:
+    """Where a sharded save's files go before its commit: a hidden temp directory next to a local
+    ``target`` (renamed into place), or a version prefix under a ``target`` on object storage
+    (committed by its ``meta.json``, :func:`remote.commit`), that DCP writes through fsspec."""
+
+    def __init__(self, target: Path | CheckpointURL, made: str) -> None:
+        self.target = target
+        self.made = made  # the temp directory, or the version's name
+        self.writer: Any = None
+        if isinstance(target, CheckpointURL):
+            from torchrig.checkpoint.dcp_upload import UploadingWriter
+
+            self.writer = UploadingWriter(str(target / made))  # a plain str: DCP pickles it into .metadata
+
+    @property
+    def dcp_destination(self) -> dict[str, Any]:
+        """How ``dcp.save``/``dcp.async_save`` are told where to write."""
+        return {"storage_writer": self.writer} if self.writer is not None else {"checkpoint_id": Path(self.made)}
+
+    def discard(self) -> None:
+        """Remove what a save that failed before its commit wrote (rank zero)."""
+        if isinstance(self.target, CheckpointURL):
+            remote.abandon(self.target, self.made)
+        else:
+            discard(Path(self.made))
+
+    def commit(self, describe: Callable[[Path, dict[str, Any], bytes], dict[str, Any]], **how: Any) -> None:
+        """Rank zero, once every shard is written: ``state.pt`` and ``meta.json`` (``describe(folder,
+        shard_files, dcp_metadata_bytes)`` writes the one and returns the other), then the commit:
+        a local temp directory is renamed into place, on object storage ``state.pt`` is uploaded
+        beside the shards and ``meta.json`` last."""
+        if isinstance(self.target, CheckpointURL):
+            with remote.staging() as staged:
+                md = remote.uploaded(self.target, self.made, DCP_METADATA)
+                meta = describe(staged, self.writer.files, md)
+                remote.commit(staged, self.target, meta, version=self.made, **how)
+            return
+        tmp = Path(self.made)
+        files = hash_existing(tmp, [p.name for p in tmp.iterdir()])  # DCP's files, on every rank's shared disk
+        publish(tmp, self.target, describe(tmp, files, read_regular(tmp / DCP_METADATA)), **how)
 
 
 #: Whether one DCP ``DefaultStager`` serves every background sharded save. Before torch 2.13 (seen
@@ -220,8 +273,7 @@ def _local_bytes(shards: dict[str, Any]) -> int:
 
 def _finish(
     rig: Any,
-    tmp: Path,
-    target: Path,
+    out: _Output,
     payload: dict[str, Any],
     modules: dict[str, nn.Module],
     optims: dict[str, Any],
@@ -229,20 +281,24 @@ def _finish(
     keep_last: int | None,
     link: str | None,
 ) -> None:
-    """Rank zero, once every shard is written: ``state.pt``, checksums, ``meta.json``, rename."""
+    """Rank zero, once every shard is written: ``state.pt``, checksums, ``meta.json``, commit."""
     check_weights_only(payload["blob"])
-    with FileSet(tmp) as files:
-        files.add(STATE_FILE, functools.partial(write_torch, obj=payload["blob"]))
-        table = files.finish()
-    table.update(hash_existing(tmp, [p.name for p in tmp.iterdir() if p.name != STATE_FILE]))
-    entries = dict(payload["entries"])
-    entries.update({k: {"kind": "module", "type": qualname(m), "dcp": True} for k, m in modules.items()})
-    entries.update({k: {"kind": "optimizer", "type": qualname(o), "dcp": True} for k, o in optims.items()})
-    meta = base_meta(rig, entries, payload["blob"]["values"])
-    md = parse_dcp_metadata(tmp / DCP_METADATA, read_regular(tmp / DCP_METADATA), files=table)  # as loads read it
-    counts = module_counts(modules.values())  # full sizes: a DTensor's numel is the whole tensor's
-    meta.update(sharded=True, files=table, tensors=_count_tensors(md, list(modules)), **counts)
-    publish(tmp, target, meta, link=link, keep_last=keep_last)
+
+    def describe(folder: Path, shard_files: dict[str, dict[str, Any]], dcp_metadata: bytes) -> dict[str, Any]:
+        with FileSet(folder) as files:
+            files.add(STATE_FILE, functools.partial(write_torch, obj=payload["blob"]))
+            table = files.finish()
+        table.update(shard_files)
+        entries = dict(payload["entries"])
+        entries.update({k: {"kind": "module", "type": qualname(m), "dcp": True} for k, m in modules.items()})
+        entries.update({k: {"kind": "optimizer", "type": qualname(o), "dcp": True} for k, o in optims.items()})
+        meta = base_meta(rig, entries, payload["blob"]["values"])
+        md = parse_dcp_metadata(folder / DCP_METADATA, dcp_metadata, files=table)  # as loads read it
+        counts = module_counts(modules.values())  # full sizes: a DTensor's numel is the whole tensor's
+        meta.update(sharded=True, files=table, tensors=_count_tensors(md, list(modules)), **counts)
+        return meta
+
+    out.commit(describe, link=link, keep_last=keep_last)
 
 
 def _count_tensors(md: Any, module_keys: list[str]) -> int:
