@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
     )
     from torchrig.trainer.accumulation import GradientAccumulationScheduler
     from torchrig.trainer.ema import EMA
+    from torchrig.trainer.finetuning import BackboneFinetuning, BaseFinetuning
     from torchrig.trainer.lambda_callback import LambdaCallback
     from torchrig.trainer.lightning_names import (
         EMAWeightAveraging,
@@ -109,6 +110,8 @@ _EXPORTS: dict[str, str] = {
     "Trainer": "torchrig.trainer",
     "TrainingModule": "torchrig.trainer",
     "EMA": "torchrig.trainer.ema",
+    "BackboneFinetuning": "torchrig.trainer.finetuning",
+    "BaseFinetuning": "torchrig.trainer.finetuning",
     "GradientAccumulationScheduler": "torchrig.trainer.accumulation",
     "LambdaCallback": "torchrig.trainer.lambda_callback",
     "EMAWeightAveraging": "torchrig.trainer.lightning_names",
@@ -172,6 +175,8 @@ __all__ = [
     "PRECISIONS",
     "STRATEGY_REGISTRY",
     "Accelerator",
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "BasePredictionWriter",
     "CPUAccelerator",
     "CSVLogger",

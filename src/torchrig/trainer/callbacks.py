@@ -101,6 +101,7 @@ EVENTS: dict[str, Event] = {
     "on_eval_end": _CALLBACK,
     "on_save_checkpoint": _BOTH,
     "on_load_checkpoint": _BOTH,
+    "on_restore_optimizers": _CALLBACK,
     "on_exception": _CALLBACK,
     "teardown": _BOTH,
 }
@@ -284,6 +285,13 @@ class Callback:
     def on_load_checkpoint(self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]) -> None: ...
 
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None: ...
+
+    def on_restore_optimizers(self, trainer: Trainer, module: TrainingModule) -> None:
+        """torchrig's own: a fit resuming from a checkpoint calls it once every callback's state
+        is loaded, before the optimizers' and schedulers' state is: a callback that changed them
+        during the saved run (parameter groups added, a scheduler swapped in) makes them so again
+        here, so that the saved state loads into them (:class:`~torchrig.BaseFinetuning` re-adds
+        its parameter groups)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -1,0 +1,182 @@
+"""``BaseFinetuning`` and ``BackboneFinetuning``: Lightning's behaviour (compared with Lightning's
+own callback on the same model and data), an exact resume with the parameter groups added mid-fit,
+and the ``rig.load(..., prepare=)`` step the resume is built on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from trainer_helpers import loader, quiet_trainer
+
+import torchrig
+from torchrig.checkpoint import CheckpointError
+
+# With train_bn=True the backbone's BatchNorm trains from the start, so it is in the optimizer when
+# the backbone's group is added: skipped with a warning, as in Lightning (asserted below).
+pytestmark = pytest.mark.filterwarnings("ignore:2 of the parameters to add")
+
+
+def backbone_model(base: type) -> type:
+    """A model with a ``backbone`` (BatchNorm inside) and a head, for Lightning's or torchrig's base."""
+
+    class Model(base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh())
+            self.head = nn.Linear(8, 1)
+            self.losses: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.head(self.backbone(x)), y)
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+
+    return Model
+
+
+Model = backbone_model(torchrig.TrainingModule)
+
+
+def fit(root: Path, max_steps: int = -1, ckpt: str | None = None, **finetuning: Any) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    module = Model()
+    callback = torchrig.BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 1.5, **finetuning)
+    trainer = quiet_trainer(
+        root,
+        max_epochs=4,
+        max_steps=max_steps,
+        enable_checkpointing=True,
+        callbacks=[callback, torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)],
+    )
+    trainer.fit(module, loader(32, batch_size=8, shuffle=True), ckpt_path=ckpt)
+    return trainer, module
+
+
+@pytest.mark.timeout(120)
+def test_backbone_finetuning_trains_as_lightnings(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from hook_recording import quiet_lightning
+
+    quiet_lightning()
+    settings: dict[str, Any] = {"max_epochs": 4, "enable_progress_bar": False, "logger": False}
+    settings |= {"enable_checkpointing": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
+    runs = {}
+    for name, base, callback_cls, trainer_cls in (
+        ("lightning", pl.LightningModule, pl.callbacks.BackboneFinetuning, pl.Trainer),
+        ("torchrig", torchrig.TrainingModule, torchrig.BackboneFinetuning, torchrig.Trainer),
+    ):
+        torch.manual_seed(0)
+        module = backbone_model(base)()
+        callback = callback_cls(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, backbone_initial_lr=0.01)
+        trainer = trainer_cls(accelerator="cpu", devices=1, callbacks=[callback], default_root_dir=tmp_path, **settings)
+        with pytest.warns(UserWarning, match="(are|will be) skipped"):  # BatchNorm trains from the start
+            trainer.fit(module, loader(32, batch_size=8))
+        runs[name] = module, [g["lr"] for g in trainer.optimizers[0].param_groups], callback.previous_backbone_lr
+    (theirs, theirs_lrs, theirs_prev), (ours, ours_lrs, ours_prev) = runs["lightning"], runs["torchrig"]
+    assert len(ours.losses) == 16
+    assert ours.losses == pytest.approx(theirs.losses, rel=1e-6)
+    assert ours.losses[:4] != ours.losses[4:8]  # the backbone trains from epoch 1
+    for key, value in theirs.state_dict().items():
+        assert torch.allclose(ours.state_dict()[key], value, atol=1e-6), key
+    assert ours_lrs == theirs_lrs == [0.05, pytest.approx(0.01 * 1.5 * 1.5)]  # grown at epochs 2 and 3
+    assert ours_prev == theirs_prev
+    assert all(p.requires_grad for p in ours.parameters())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop_at", [6, 9], ids=["mid_unfreeze_epoch", "mid_later_epoch"])
+def test_backbone_finetuning_resumes_exactly(tmp_path: Path, stop_at: int) -> None:
+    """Interrupted after the backbone's group was added (4 batches an epoch, unfrozen at epoch 1)
+    and resumed: the same weights, optimizer groups and learning rates as one uninterrupted fit."""
+    whole_trainer, whole = fit(tmp_path / "a")
+    _, cut = fit(tmp_path / "b", max_steps=stop_at)
+    assert not cut.backbone[0].weight.requires_grad or stop_at > 4
+    resumed_trainer, resumed = fit(tmp_path / "b", ckpt="last")
+    assert resumed_trainer.global_step == whole_trainer.global_step == 16
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    groups = [(g["lr"], len(g["params"])) for g in resumed_trainer.optimizers[0].param_groups]
+    assert groups == [(g["lr"], len(g["params"])) for g in whole_trainer.optimizers[0].param_groups]
+    assert groups == [(0.05, 4), (0.05 * 0.1 * 1.5 * 1.5, 2)]  # head and BatchNorm; the Linear, grown twice
+    assert whole.losses[-7:] == resumed.losses[-7:]
+
+
+def test_a_resume_restores_what_was_frozen(tmp_path: Path) -> None:
+    """Saved before the backbone is unfrozen: it stays frozen (BatchNorm not tracking with
+    train_bn=False) in the resumed fit until the epoch that unfreezes it."""
+    fit(tmp_path, max_steps=2, train_bn=False)
+    torch.manual_seed(0)
+    module = Model()
+    callback = torchrig.BackboneFinetuning(unfreeze_backbone_at_epoch=1, train_bn=False)
+    seen = []
+
+    class Look(torchrig.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            seen.append(
+                (trainer.current_epoch, module.backbone[0].weight.requires_grad, module.backbone[1].track_running_stats)
+            )
+
+    trainer = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=False, callbacks=[callback, Look()])
+    trainer.fit(module, loader(32, batch_size=8, shuffle=True), ckpt_path=tmp_path / "ck" / "last")
+    assert seen == [(0, False, False)] * 2 + [(1, True, True)] * 4
+
+
+def test_backbone_finetuning_needs_a_backbone_and_sound_arguments(tmp_path: Path) -> None:
+    from trainer_helpers import Regressor
+
+    trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[torchrig.BackboneFinetuning()])
+    with pytest.raises(ValueError, match=r"Regressor.backbone is nothing: set self.backbone = <the part"):
+        trainer.fit(Regressor(), loader(8))
+    with pytest.raises(ValueError, match="unfreeze_backbone_at_epoch"):
+        torchrig.BackboneFinetuning(unfreeze_backbone_at_epoch=-1)
+    with pytest.raises(TypeError, match=r"lambda_func=2\) must be callable"):
+        torchrig.BackboneFinetuning(lambda_func=2)  # type: ignore[arg-type]
+
+
+def test_base_finetuning_says_what_to_override(tmp_path: Path) -> None:
+    trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[torchrig.BaseFinetuning()])
+    with pytest.raises(NotImplementedError, match=r"BaseFinetuning must override freeze_before_training\(pl_module\)"):
+        trainer.fit(Model(), loader(8))
+
+
+def test_adding_parameters_the_optimizer_has_warns_and_skips_them() -> None:
+    module = Model()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"4 of the parameters to add are in a parameter group .* are skipped"):
+        torchrig.BaseFinetuning.unfreeze_and_add_param_group(module.backbone, optimizer)
+    assert len(optimizer.param_groups) == 1
+    frozen = Model()
+    torchrig.BaseFinetuning.freeze(frozen.backbone, train_bn=False)
+    assert [p.requires_grad for p in frozen.backbone.parameters()] == [False] * 4
+    optimizer = torch.optim.SGD(frozen.head.parameters(), lr=0.1)
+    torchrig.BaseFinetuning.unfreeze_and_add_param_group(frozen.backbone, optimizer, initial_denom_lr=4.0)
+    assert [(g["lr"], len(g["params"])) for g in optimizer.param_groups] == [(0.1, 2), (0.025, 4)]
+
+
+def test_rig_load_prepare_shapes_the_objects_before_they_are_compared(tmp_path: Path) -> None:
+    rig = torchrig.Rig(accelerator="cpu")
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    saved = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    saved.add_param_group({"params": list(model[1].parameters()), "lr": 0.01})
+    rig.save(tmp_path / "c", {"optimizer": saved, "epoch": 3})
+
+    fresh = torch.optim.SGD(model[0].parameters(), lr=0.5)
+    with pytest.raises(CheckpointError, match="2 parameter groups in the checkpoint, 1 in the optimizer"):
+        rig.load(tmp_path / "c", {"optimizer": fresh})
+    seen = []
+
+    def prepare(values: dict[str, Any]) -> None:
+        seen.append(values["epoch"])
+        fresh.add_param_group({"params": list(model[1].parameters())})
+
+    rig.load(tmp_path / "c", {"optimizer": fresh}, prepare=prepare)
+    assert seen == [3]
+    assert [g["lr"] for g in fresh.param_groups] == [0.1, 0.01]
