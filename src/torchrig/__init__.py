@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
     from torchrig.trainer.profiler import Profiler, PyTorchProfiler, SimpleProfiler
     from torchrig.trainer.progress import ProgressBar
     from torchrig.trainer.timer import Timer
+    from torchrig.trainer.weight_averaging import StochasticWeightAveraging, WeightAveraging
 
 __version__ = "0.1.0"
 
@@ -122,6 +123,8 @@ _EXPORTS: dict[str, str] = {
     "TQDMProgressBar": "torchrig.trainer.lightning_names",
     "BasePredictionWriter": "torchrig.trainer.prediction_writer",
     "Timer": "torchrig.trainer.timer",
+    "StochasticWeightAveraging": "torchrig.trainer.weight_averaging",
+    "WeightAveraging": "torchrig.trainer.weight_averaging",
     "CSVLogger": "torchrig.trainer.loggers",
     "TensorBoardLogger": "torchrig.trainer.loggers",
     "MLflowLogger": "torchrig.trainer.loggers_mlflow",
@@ -210,6 +213,7 @@ __all__ = [
     "Rig",
     "SimpleProfiler",
     "SingleDeviceStrategy",
+    "StochasticWeightAveraging",
     "Strategy",
     "TQDMProgressBar",
     "TensorBoardLogger",
@@ -219,6 +223,7 @@ __all__ = [
     "Trainer",
     "TrainingModule",
     "WandbLogger",
+    "WeightAveraging",
     "XLAAccelerator",
     "__version__",
     "current_device_index",
