@@ -231,3 +231,11 @@ def test_weight_averaging_takes_averaged_models_arguments_only() -> None:
         torchrig.WeightAveraging(decay=0.9)
     with pytest.raises(TypeError, match=r"use_buffers='yes'\) must be True or False"):
         torchrig.WeightAveraging(use_buffers="yes")  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_saved_without_the_average_cannot_be_resumed_with_it(tmp_path: Path) -> None:
+    trainer = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True)
+    trainer.fit(tiny_model(torchrig.TrainingModule)(), loader(8))
+    trainer = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True, callbacks=[torchrig.WeightAveraging()])
+    with pytest.raises(torchrig.CheckpointError, match=r"has no entries \['WeightAveraging.average'\]"):
+        trainer.fit(tiny_model(torchrig.TrainingModule)(), loader(8), ckpt_path="last")
