@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from trainer_helpers import loader, quiet_trainer
+from trainer_helpers import checkpointed_fit, fit_under_lightning_and_torchrig, loader, quiet_trainer
 
 import torchrig
 from torchrig.checkpoint import CheckpointError
@@ -49,46 +49,31 @@ def fit(root: Path, max_steps: int = -1, ckpt: str | None = None, **finetuning: 
     torch.manual_seed(0)
     module = Model()
     callback = torchrig.BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 1.5, **finetuning)
-    trainer = quiet_trainer(
-        root,
-        max_epochs=4,
-        max_steps=max_steps,
-        enable_checkpointing=True,
-        callbacks=[callback, torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)],
-    )
-    trainer.fit(module, loader(32, batch_size=8, shuffle=True), ckpt_path=ckpt)
-    return trainer, module
+    train = loader(32, batch_size=8, shuffle=True)
+    return checkpointed_fit(root, module, [callback], train, max_epochs=4, max_steps=max_steps, ckpt=ckpt), module
 
 
 @pytest.mark.timeout(120)
 def test_backbone_finetuning_trains_as_lightnings(tmp_path: Path) -> None:
-    pl = pytest.importorskip("lightning.pytorch")
-    from hook_recording import quiet_lightning
-
-    quiet_lightning()
-    settings: dict[str, Any] = {"max_epochs": 4, "enable_progress_bar": False, "logger": False}
-    settings |= {"enable_checkpointing": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
-    runs = {}
-    for name, base, callback_cls, trainer_cls in (
-        ("lightning", pl.LightningModule, pl.callbacks.BackboneFinetuning, pl.Trainer),
-        ("torchrig", torchrig.TrainingModule, torchrig.BackboneFinetuning, torchrig.Trainer),
-    ):
-        torch.manual_seed(0)
-        module = backbone_model(base)()
-        callback = callback_cls(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, backbone_initial_lr=0.01)
-        trainer = trainer_cls(accelerator="cpu", devices=1, callbacks=[callback], default_root_dir=tmp_path, **settings)
-        with pytest.warns(UserWarning, match="(are|will be) skipped"):  # BatchNorm trains from the start
-            trainer.fit(module, loader(32, batch_size=8))
-        runs[name] = module, [g["lr"] for g in trainer.optimizers[0].param_groups], callback.previous_backbone_lr
-    (theirs, theirs_lrs, theirs_prev), (ours, ours_lrs, ours_prev) = runs["lightning"], runs["torchrig"]
+    with pytest.warns(UserWarning, match="(are|will be) skipped"):  # BatchNorm trains from the start
+        runs = fit_under_lightning_and_torchrig(
+            tmp_path,
+            backbone_model,
+            lambda cbs: cbs.BackboneFinetuning(
+                unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5, backbone_initial_lr=0.01
+            ),
+            lambda: loader(32, batch_size=8),
+        )
+    (theirs, theirs_trainer, theirs_cb), (ours, ours_trainer, ours_cb) = runs["lightning"], runs["torchrig"]
     assert len(ours.losses) == 16
     assert ours.losses == pytest.approx(theirs.losses, rel=1e-6)
     assert ours.losses[:4] != ours.losses[4:8]  # the backbone trains from epoch 1
     for key, value in theirs.state_dict().items():
         assert torch.allclose(ours.state_dict()[key], value, atol=1e-6), key
-    assert ours_lrs == theirs_lrs == [0.05, pytest.approx(0.01 * 1.5 * 1.5)]  # grown at epochs 2 and 3
-    assert ours_prev == theirs_prev
-    assert all(p.requires_grad for p in ours.parameters())
+    lrs = [g["lr"] for g in ours_trainer.optimizers[0].param_groups]
+    assert lrs == [g["lr"] for g in theirs_trainer.optimizers[0].param_groups]
+    assert lrs == [0.05, pytest.approx(0.01 * 1.5 * 1.5)]  # grown at epochs 2 and 3
+    assert ours_cb.previous_backbone_lr == theirs_cb.previous_backbone_lr
 
 
 @pytest.mark.timeout(120)

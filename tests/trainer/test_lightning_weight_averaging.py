@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from trainer_helpers import loader, quiet_trainer
+from trainer_helpers import checkpointed_fit, fit_under_lightning_and_torchrig, loader, quiet_trainer
 
 import torchrig
 
@@ -51,25 +51,18 @@ def tiny_model(base: type, batchnorm: bool = False, scheduler: bool = False) -> 
 
 def against_lightning(tmp_path: Path, make: Any, validate: bool = False, **model: Any) -> dict[str, Any]:
     """One fit under Lightning and one under torchrig of the same model, data and callback
-    (``make(callbacks_module)`` builds it): each one's module, learning rates and callback."""
-    pl = pytest.importorskip("lightning.pytorch")
-    from hook_recording import quiet_lightning
-
-    quiet_lightning()
-    settings: dict[str, Any] = {"max_epochs": 4, "enable_progress_bar": False, "logger": False}
-    settings |= {"enable_checkpointing": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
-    runs = {}
-    for name, base, callbacks, trainer_cls in (
-        ("lightning", pl.LightningModule, pl.callbacks, pl.Trainer),
-        ("torchrig", torchrig.TrainingModule, torchrig, torchrig.Trainer),
-    ):
-        torch.manual_seed(0)
-        module = tiny_model(base, **model)()
-        callback = make(callbacks)
-        trainer = trainer_cls(accelerator="cpu", devices=1, callbacks=[callback], default_root_dir=tmp_path, **settings)
-        trainer.fit(module, loader(32, batch_size=8), loader(16, batch_size=8, seed=1) if validate else None)
-        runs[name] = module, [g["lr"] for g in trainer.optimizers[0].param_groups]
-    return runs
+    (``make(callbacks_module)`` builds it): each one's module and learning rates."""
+    runs = fit_under_lightning_and_torchrig(
+        tmp_path,
+        lambda base: tiny_model(base, **model),
+        make,
+        lambda: loader(32, batch_size=8),
+        (lambda: loader(16, batch_size=8, seed=1)) if validate else None,
+    )
+    return {
+        name: (module, [g["lr"] for g in trainer.optimizers[0].param_groups])
+        for name, (module, trainer, _) in runs.items()
+    }
 
 
 def assert_same(runs: dict[str, Any]) -> None:
@@ -130,18 +123,9 @@ def test_swa_leaves_the_mean_of_epoch_starts_and_its_batchnorm_statistics_in_the
 def swa_fit(root: Path, max_steps: int = -1, ckpt: str | None = None) -> tuple[Any, Any]:
     torch.manual_seed(0)
     module = tiny_model(torchrig.TrainingModule, batchnorm=True, scheduler=True)()
-    trainer = quiet_trainer(
-        root,
-        max_epochs=4,
-        max_steps=max_steps,
-        enable_checkpointing=True,
-        callbacks=[
-            torchrig.StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=2, annealing_epochs=2),
-            torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True),
-        ],
-    )
-    trainer.fit(module, loader(32, batch_size=8, shuffle=True), ckpt_path=ckpt)
-    return trainer, module
+    swa = torchrig.StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=2, annealing_epochs=2)
+    train = loader(32, batch_size=8, shuffle=True)
+    return checkpointed_fit(root, module, [swa], train, max_epochs=4, max_steps=max_steps, ckpt=ckpt), module
 
 
 @pytest.mark.timeout(120)
@@ -202,17 +186,10 @@ class EveryOtherEpoch(torchrig.WeightAveraging):
 def averaging_fit(root: Path, max_steps: int = -1, ckpt: str | None = None) -> tuple[Any, Any]:
     torch.manual_seed(0)
     module = tiny_model(torchrig.TrainingModule, batchnorm=True)()
-    trainer = quiet_trainer(
-        root,
-        max_epochs=3,
-        max_steps=max_steps,
-        enable_checkpointing=True,
-        callbacks=[
-            EveryOtherEpoch(),
-            torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True),
-        ],
+    train, val = loader(32, batch_size=8, shuffle=True), loader(16, seed=1)
+    trainer = checkpointed_fit(
+        root, module, [EveryOtherEpoch()], train, val, max_epochs=3, max_steps=max_steps, ckpt=ckpt
     )
-    trainer.fit(module, loader(32, batch_size=8, shuffle=True), loader(16, seed=1), ckpt_path=ckpt)
     return trainer, module
 
 
