@@ -7,6 +7,8 @@ when each is called. torchrig's own evaluation events (``on_eval_start``, ``on_e
 ``on_eval_end``, with a ``stage`` argument: ``"sanity_check"``, ``"validate"``, ``"test"`` or
 ``"predict"``) are called for every evaluation loop too, right after the Lightning event of the
 same moment.
+``on_restore_optimizers`` (torchrig's own, callbacks only) is called when a fit resumes, after
+the callbacks' ``load_state_dict`` and before the optimizers' and schedulers' state is loaded.
 
 Every method does nothing by default; override the ones you need. ``state_dict`` /
 ``load_state_dict`` let a callback's state travel in checkpoints.
