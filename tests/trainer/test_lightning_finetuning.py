@@ -4,13 +4,16 @@ and the ``rig.load(..., prepare=)`` step the resume is built on."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from trainer_helpers import checkpointed_fit, fit_under_lightning_and_torchrig, loader, quiet_trainer
+from trainer_helpers import checkpointed_fit, fit_under_lightning_and_torchrig, loader, quiet_trainer, subprocess_env
 
 import torchrig
 from torchrig.checkpoint import CheckpointError
@@ -43,6 +46,14 @@ def backbone_model(base: type) -> type:
 
 
 Model = backbone_model(torchrig.TrainingModule)
+
+
+class Plain(Model):
+    """The model without BatchNorm (for FSDP: a BatchNorm's running statistics are each process's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone[1] = nn.Identity()
 
 
 def fit(root: Path, max_steps: int = -1, ckpt: str | None = None, **finetuning: Any) -> tuple[Any, Any]:
@@ -165,3 +176,77 @@ def test_rig_load_prepare_shapes_the_objects_before_they_are_compared(tmp_path: 
     rig.load(tmp_path / "c", {"optimizer": fresh}, prepare=prepare)
     assert seen == [3]
     assert [g["lr"] for g in fresh.param_groups] == [0.1, 0.01]
+
+
+TWO_PROCESSES = r"""
+import json, sys
+import torch
+import torchrig
+from test_lightning_finetuning import Plain
+from trainer_helpers import loader
+
+def run(max_steps, ckpt_path=None, seed=0):
+    torch.manual_seed(seed)
+    trainer = torchrig.Trainer(
+        accelerator="cpu", devices=2, strategy=sys.argv[2], max_epochs=4, max_steps=max_steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=f"{sys.argv[1]}/{max_steps}{ckpt_path is None}",
+        callbacks=[
+            torchrig.BackboneFinetuning(1, lambda e: 1.5),
+            torchrig.ModelCheckpoint(every_n_train_steps=1, save_last=True),
+        ],
+    )
+    module = Plain()
+    trainer.fit(module, loader(32, batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in module.state_dict().items()}
+    return trainer, full
+
+trainer, straight = run(-1)
+first, _ = run(6)
+_, resumed = run(-1, ckpt_path=str(first.checkpoint_callback.resolve_dirpath(first) / "last"), seed=9)
+if trainer.is_global_zero:
+    sys.stdout.write(json.dumps({
+        "groups": [len(g["params"]) for g in trainer.optimizers[0].param_groups],
+        "weights": {k: v.tolist() for k, v in straight.items()},
+        "resumed_equal": all(torch.equal(resumed[k], straight[k]) for k in straight),
+    }) + "\n")
+"""
+
+
+def run_two(tmp_path: Path, strategy: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "two.py").write_text(TWO_PROCESSES)
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{Path(__file__).parent}:{env['PYTHONPATH']}"
+    return subprocess.run(
+        [sys.executable, "two.py", str(tmp_path / "root"), strategy],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_fsdp_two_processes_train_as_one_and_resume_exactly(tmp_path: Path) -> None:
+    done = run_two(tmp_path, "fsdp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert result["resumed_equal"]
+    assert result["groups"] == [2, 2]  # the head; the backbone's Linear, added at epoch 1
+    torch.manual_seed(0)
+    one = Plain()
+    trainer = quiet_trainer(tmp_path / "one", max_epochs=4, callbacks=[torchrig.BackboneFinetuning(1, lambda e: 1.5)])
+    trainer.fit(one, loader(32, batch_size=8, shuffle=True))
+    for key, value in one.state_dict().items():
+        torch.testing.assert_close(torch.tensor(result["weights"][key], dtype=value.dtype), value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_ddp_is_refused_with_the_reason(tmp_path: Path) -> None:
+    done = run_two(tmp_path, "ddp")
+    assert done.returncode != 0
+    assert "BackboneFinetuning under DDP (2 processes): torch's DistributedDataParallel reduces only" in done.stderr
+    assert "use strategy='fsdp' (the same weights as one process), or one process" in done.stderr

@@ -12,9 +12,10 @@ groups of every optimizer (by parameter name) and which parameters and BatchNorm
 frozen; on resume it rebuilds them in ``on_restore_optimizers``, before the optimizers' saved
 state (which has the added groups) is loaded into them.
 
-Tested in one process. Under DDP, torch's ``DistributedDataParallel`` reduces the gradients of
-the parameters that required gradients when it wrapped the module, at the start of the fit: a
-backbone unfrozen later would train on each process's own gradients (as in Lightning).
+Under FSDP on 2 processes the fit trains the weights of one process with the same global batches
+and resumes exactly. Under DDP it is refused: torch's ``DistributedDataParallel`` reduces only
+the gradients of the parameters that were trainable when it wrapped the module, so a backbone
+unfrozen later would train apart on each process (Lightning lets that happen).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from torchrig import arguments
+from torchrig.strategies import DDPStrategy
 from torchrig.trainer.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -172,8 +174,16 @@ class BaseFinetuning(Callback):
 
     # -- Trainer events ----------------------------------------------------------------------------
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
-        if stage == "fit":
-            self.freeze_before_training(module)
+        if stage != "fit":
+            return
+        if isinstance(trainer.rig.strategy, DDPStrategy) and trainer.rig.world_size > 1:
+            raise ValueError(
+                f"{type(self).__name__} under DDP ({trainer.rig.world_size} processes): torch's "
+                "DistributedDataParallel reduces only the gradients of the parameters that were trainable when "
+                "it wrapped the module, so the parameters unfrozen later would train apart on each process; "
+                "use strategy='fsdp' (the same weights as one process), or one process"
+            )
+        self.freeze_before_training(module)
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         epoch = trainer.current_epoch
