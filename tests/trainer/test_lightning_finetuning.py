@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from trainer_helpers import checkpointed_fit, fit_under_lightning_and_torchrig, loader, quiet_trainer, subprocess_env
+from trainer_helpers import checkpointed_fit, fit_under_lightning_and_torchrig, loader, quiet_trainer, run_child
 
 import torchrig
 from torchrig.checkpoint import CheckpointError
@@ -214,17 +213,7 @@ if trainer.is_global_zero:
 
 
 def run_two(tmp_path: Path, strategy: str) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "two.py").write_text(TWO_PROCESSES)
-    env = subprocess_env()
-    env["PYTHONPATH"] = f"{Path(__file__).parent}:{env['PYTHONPATH']}"
-    return subprocess.run(
-        [sys.executable, "two.py", str(tmp_path / "root"), strategy],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        cwd=tmp_path,
-    )
+    return run_child(tmp_path, TWO_PROCESSES, str(tmp_path / "root"), strategy)
 
 
 @pytest.mark.timeout(120)

@@ -90,15 +90,15 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def run_script(folder: Path, source: str, *args: str, timeout: float = 110) -> None:
+def run_child(folder: Path, source: str, *args: str, timeout: float = 110) -> Any:
     """Write ``source`` into ``folder`` and run it as ``python script ARGS`` there (with
-    :func:`subprocess_env`, these helpers importable); it must exit 0."""
+    :func:`subprocess_env`, these helpers importable); the ``CompletedProcess``, output captured."""
     import subprocess
     import sys
 
     script = folder / f"script_{abs(hash(source))}.py"
     script.write_text(source)
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script), *args],
         env=subprocess_env(),
         capture_output=True,
@@ -106,6 +106,11 @@ def run_script(folder: Path, source: str, *args: str, timeout: float = 110) -> N
         timeout=timeout,
         cwd=folder,
     )
+
+
+def run_script(folder: Path, source: str, *args: str, timeout: float = 110) -> None:
+    """:func:`run_child`, which must exit 0."""
+    done = run_child(folder, source, *args, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
