@@ -216,3 +216,10 @@ def test_a_checkpoint_saved_without_the_average_cannot_be_resumed_with_it(tmp_pa
     trainer = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True, callbacks=[torchrig.WeightAveraging()])
     with pytest.raises(torchrig.CheckpointError, match=r"has no entries \['WeightAveraging.average'\]"):
         trainer.fit(tiny_model(torchrig.TrainingModule)(), loader(8), ckpt_path="last")
+
+
+@pytest.mark.parametrize("callback", [torchrig.WeightAveraging, lambda: torchrig.StochasticWeightAveraging(0.1)])
+def test_sharded_strategies_are_refused_with_ema_named(tmp_path: Path, callback: Any) -> None:
+    trainer = quiet_trainer(tmp_path, max_epochs=1, strategy="fsdp", callbacks=[callback()])
+    with pytest.raises(ValueError, match=r"cannot give it; use torchrig.EMA, which averages each process's shards"):
+        trainer.fit(tiny_model(torchrig.TrainingModule)(), loader(8))

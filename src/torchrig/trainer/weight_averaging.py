@@ -7,8 +7,8 @@ checkpoint the Trainer writes, as the module entry ``<callback>.average``, and l
 place on resume; the callbacks' counters travel in their state. A resumed fit ends bitwise equal
 to an uninterrupted one.
 
-Under FSDP the module's parameters are shards; neither callback supports that (as in Lightning):
-use :class:`~torchrig.EMA` there.
+Under FSDP the module's parameters are shards; neither callback supports that (as in Lightning)
+and both refuse it: use :class:`~torchrig.EMA` there.
 """
 
 from __future__ import annotations
@@ -109,6 +109,12 @@ class WeightAveraging(Callback):
 
     # -- Trainer events ----------------------------------------------------------------------------
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+        if stage == "fit" and trainer.rig.strategy.sharded:
+            raise ValueError(
+                f"{type(self).__name__} keeps a whole copy of the module (torch's AveragedModel), which a sharded "
+                f"strategy ({type(trainer.rig.strategy).__name__}) cannot give it; use torchrig.EMA, which averages "
+                "each process's shards (EMA(swa_start=N) for equal weights)"
+            )
         if stage == "fit":
             self._average_model = None  # each fit averages afresh (a resume loads its average in place)
             self._latest_update_step, self._latest_update_epoch = 0, -1
