@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
     )
     from torchrig.trainer.accumulation import GradientAccumulationScheduler
     from torchrig.trainer.ema import EMA
+    from torchrig.trainer.finetuning import BackboneFinetuning, BaseFinetuning
     from torchrig.trainer.lambda_callback import LambdaCallback
     from torchrig.trainer.lightning_names import (
         EMAWeightAveraging,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
     from torchrig.trainer.profiler import Profiler, PyTorchProfiler, SimpleProfiler
     from torchrig.trainer.progress import ProgressBar
     from torchrig.trainer.timer import Timer
+    from torchrig.trainer.weight_averaging import StochasticWeightAveraging, WeightAveraging
 
 __version__ = "0.1.0"
 
@@ -109,6 +111,8 @@ _EXPORTS: dict[str, str] = {
     "Trainer": "torchrig.trainer",
     "TrainingModule": "torchrig.trainer",
     "EMA": "torchrig.trainer.ema",
+    "BackboneFinetuning": "torchrig.trainer.finetuning",
+    "BaseFinetuning": "torchrig.trainer.finetuning",
     "GradientAccumulationScheduler": "torchrig.trainer.accumulation",
     "LambdaCallback": "torchrig.trainer.lambda_callback",
     "EMAWeightAveraging": "torchrig.trainer.lightning_names",
@@ -119,6 +123,8 @@ _EXPORTS: dict[str, str] = {
     "TQDMProgressBar": "torchrig.trainer.lightning_names",
     "BasePredictionWriter": "torchrig.trainer.prediction_writer",
     "Timer": "torchrig.trainer.timer",
+    "StochasticWeightAveraging": "torchrig.trainer.weight_averaging",
+    "WeightAveraging": "torchrig.trainer.weight_averaging",
     "CSVLogger": "torchrig.trainer.loggers",
     "TensorBoardLogger": "torchrig.trainer.loggers",
     "MLflowLogger": "torchrig.trainer.loggers_mlflow",
@@ -172,6 +178,8 @@ __all__ = [
     "PRECISIONS",
     "STRATEGY_REGISTRY",
     "Accelerator",
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "BasePredictionWriter",
     "CPUAccelerator",
     "CSVLogger",
@@ -205,6 +213,7 @@ __all__ = [
     "Rig",
     "SimpleProfiler",
     "SingleDeviceStrategy",
+    "StochasticWeightAveraging",
     "Strategy",
     "TQDMProgressBar",
     "TensorBoardLogger",
@@ -214,6 +223,7 @@ __all__ = [
     "Trainer",
     "TrainingModule",
     "WandbLogger",
+    "WeightAveraging",
     "XLAAccelerator",
     "__version__",
     "current_device_index",

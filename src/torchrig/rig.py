@@ -560,10 +560,17 @@ class Rig:
         return saved
 
     def load(
-        self, path: str | os.PathLike[str], state: dict[str, Any] | None = None, strict: bool = True
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any] | None = None,
+        strict: bool = True,
+        *,
+        prepare: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
-        """Load a checkpoint into the objects of ``state`` in place; returns what is left over."""
-        return checkpoint.load(self, path, state, strict=strict)
+        """Load a checkpoint into the objects of ``state`` in place; returns what is left over.
+        ``prepare(values)`` runs once the files are checked, before any object is compared or
+        loaded (see :func:`torchrig.checkpoint.load`)."""
+        return checkpoint.load(self, path, state, strict=strict, prepare=prepare)
 
 
 def _run_launched(rig: Rig, fn: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:

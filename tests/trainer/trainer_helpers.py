@@ -90,15 +90,15 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def run_script(folder: Path, source: str, *args: str, timeout: float = 110) -> None:
+def run_child(folder: Path, source: str, *args: str, timeout: float = 110) -> Any:
     """Write ``source`` into ``folder`` and run it as ``python script ARGS`` there (with
-    :func:`subprocess_env`, these helpers importable); it must exit 0."""
+    :func:`subprocess_env`, these helpers importable); the ``CompletedProcess``, output captured."""
     import subprocess
     import sys
 
     script = folder / f"script_{abs(hash(source))}.py"
     script.write_text(source)
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script), *args],
         env=subprocess_env(),
         capture_output=True,
@@ -106,6 +106,11 @@ def run_script(folder: Path, source: str, *args: str, timeout: float = 110) -> N
         timeout=timeout,
         cwd=folder,
     )
+
+
+def run_script(folder: Path, source: str, *args: str, timeout: float = 110) -> None:
+    """:func:`run_child`, which must exit 0."""
+    done = run_child(folder, source, *args, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -126,3 +131,54 @@ def docs_example(heading: str, doc: str = "trainer_tools.md") -> str:
     end = text.find("\n## ", start + 1)
     (code,) = re.findall(r"```python\n(.*?)```", text[start : end if end != -1 else len(text)], re.S)
     return code
+
+
+def checkpointed_fit(
+    root: Path,
+    module: torchrig.TrainingModule,
+    callbacks: list[Any],
+    train: Any,
+    val: Any = None,
+    *,
+    max_epochs: int,
+    max_steps: int = -1,
+    ckpt: Any = None,
+) -> torchrig.Trainer:
+    """Fit ``module`` with ``callbacks`` and a checkpoint after every optimizer step (``root/ck``,
+    with ``last``), stopping at ``max_steps``, or resuming from ``ckpt``: the two halves of an
+    interrupted fit, to compare with an uninterrupted one."""
+    every_step = torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)
+    trainer = quiet_trainer(
+        root, max_epochs=max_epochs, max_steps=max_steps, enable_checkpointing=True, callbacks=[*callbacks, every_step]
+    )
+    trainer.fit(module, train, val, ckpt_path=ckpt)
+    return trainer
+
+
+def fit_under_lightning_and_torchrig(
+    tmp_path: Path, model: Any, callback: Any, train: Any, val: Any = None, max_epochs: int = 4
+) -> dict[str, tuple[Any, Any, Any]]:
+    """One fit under Lightning's Trainer and one under torchrig's of the same model, data and
+    callback, each seeded with 0: ``model(base)`` makes the model's class for Lightning's or
+    torchrig's base class, ``callback(callbacks)`` the callback from ``lightning.pytorch.callbacks``
+    or ``torchrig``, ``train()``/``val()`` the loaders. ``{"lightning": (module, trainer,
+    callback), "torchrig": (...)}``; skips the test without Lightning."""
+    import pytest
+
+    pl = pytest.importorskip("lightning.pytorch")
+    from hook_recording import quiet_lightning
+
+    quiet_lightning()
+    settings: dict[str, Any] = {"max_epochs": max_epochs, "enable_progress_bar": False, "logger": False}
+    settings |= {"enable_checkpointing": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
+    runs = {}
+    for name, base, callbacks, trainer_cls in (
+        ("lightning", pl.LightningModule, pl.callbacks, pl.Trainer),
+        ("torchrig", torchrig.TrainingModule, torchrig, torchrig.Trainer),
+    ):
+        torch.manual_seed(0)
+        module, cb = model(base)(), callback(callbacks)
+        trainer = trainer_cls(accelerator="cpu", devices=1, callbacks=[cb], default_root_dir=tmp_path, **settings)
+        trainer.fit(module, train(), val() if val is not None else None)
+        runs[name] = module, trainer, cb
+    return runs

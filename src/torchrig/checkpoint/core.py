@@ -15,7 +15,7 @@ import torch
 from torchrig import arguments
 from torchrig.checkpoint import remote, sharded
 from torchrig.checkpoint.background import SaveHandle, settle_pending
-from torchrig.checkpoint.entries import base_meta, check_key, collect
+from torchrig.checkpoint.entries import base_meta, check_entries, check_key, collect
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.failures import uncommitted
 from torchrig.checkpoint.files import (
@@ -224,6 +224,7 @@ def load(
     *,
     map_location: torch.device | str | None = None,
     verify: bool = True,
+    prepare: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into the objects of ``state`` in place; returns what is left over.
 
@@ -239,6 +240,11 @@ def load(
             exactly; with ``False`` what matches is loaded and the rest skipped.
         map_location: the device for returned tensors (default ``rig.device``).
         verify: check SHA-256 checksums (a size check is always made).
+        prepare: called as ``prepare(values)`` with the checkpoint's plain values once every file
+            is read and checked, before any entry of ``state`` is compared or loaded: it makes the
+            objects of ``state`` like the saved ones where the saved run changed them (parameter
+            groups added to an optimizer, a scheduler swapped in), and may add entries to
+            ``state``. What it changes is its own: a load refused after it does not undo it.
 
     Returns:
         Plain values (step, epoch, metrics) and entries not named in ``state``. Plain values
@@ -249,7 +255,7 @@ def load(
     """
     settle_pending(rig)  # a save running in the background first (it may be the one loaded)
     with remote.fetched(path) as folder:
-        return _load_folder(rig, folder, state, strict, map_location=map_location, verify=verify)
+        return _load_folder(rig, folder, state, strict, map_location=map_location, verify=verify, prepare=prepare)
 
 
 def _load_folder(
@@ -260,22 +266,21 @@ def _load_folder(
     *,
     map_location: torch.device | str | None,
     verify: bool,
+    prepare: Callable[[dict[str, Any]], None] | None,
 ) -> dict[str, Any]:
     meta = read_meta(folder)
     if state is not None and not isinstance(state, dict):
         raise TypeError(f"load() takes state as a dict of the objects to fill, got {type(state)}")
     device = torch.device(map_location) if map_location is not None else rig.device
     if meta.get("sharded"):
-        return update_values(state, sharded.load(rig, folder, meta, state, strict=strict, verify=verify))
+        loaded = sharded.load(rig, folder, meta, state, strict=strict, verify=verify, prepare=prepare)
+        return update_values(state, loaded)
     entries: dict[str, dict[str, Any]] = meta["entries"]
-    wanted = state if state is not None else {}
-    missing = [k for k in wanted if k not in entries]
-    if missing and strict:
-        raise CheckpointError(
-            f"the checkpoint {folder} has no entries {missing}; it has {sorted(entries)} "
-            "(pass strict=False to load only what is there)"
-        )
+    check_entries(folder, entries, state, strict)
     blob, tensors = read_whole(folder, meta, device, verify=verify)
+    if prepare is not None and state is not None:
+        prepare(blob["values"])
+        check_entries(folder, entries, state, strict)  # what prepare added
     return update_values(state, apply_loaded(rig, entries, blob, tensors, state, strict=strict, device=device))
 
 

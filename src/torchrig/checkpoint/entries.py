@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import FORMAT, FORMAT_VERSION, plain_key
 from torchrig.checkpoint.rng import capture_rng
 from torchrig.checkpoint.tensors import split_module_state
@@ -58,6 +59,16 @@ def check_key(key: Any) -> str:
             "(for example 'model', 'optimizer', 'step')"
         )
     return key
+
+
+def check_entries(folder: Any, entries: dict[str, Any], state: dict[str, Any] | None, strict: bool) -> None:
+    """Refuse (``strict``) a ``state`` naming entries the checkpoint does not have."""
+    missing = [k for k in state or {} if k not in entries]
+    if missing and strict:
+        raise CheckpointError(
+            f"the checkpoint {folder} has no entries {missing}; it has {sorted(entries)} "
+            "(pass strict=False to load only what is there)"
+        )
 
 
 def summary_values(values: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,15 @@ from torchrig.checkpoint.dcp_safe import (
     refuse_code,
     safe_planner,
 )
-from torchrig.checkpoint.entries import base_meta, collect, is_stateful, module_counts, qualname, user_module
+from torchrig.checkpoint.entries import (
+    base_meta,
+    check_entries,
+    collect,
+    is_stateful,
+    module_counts,
+    qualname,
+    user_module,
+)
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.failures import uncommitted
 from torchrig.checkpoint.files import (
@@ -312,9 +320,17 @@ def _count_tensors(md: Any, module_keys: list[str]) -> int:
 
 
 def load(
-    rig: Any, folder: Path, meta: dict[str, Any], state: dict[str, Any] | None, *, strict: bool, verify: bool
+    rig: Any,
+    folder: Path,
+    meta: dict[str, Any],
+    state: dict[str, Any] | None,
+    *,
+    strict: bool,
+    verify: bool,
+    prepare: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Load shards into the modules and optimizers of ``state`` in this process's layout."""
+    """Load shards into the modules and optimizers of ``state`` in this process's layout
+    (``prepare``: as :func:`torchrig.checkpoint.load` says)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -323,14 +339,15 @@ def load(
             f"{folder} is a sharded checkpoint: load it into objects (rig.load(path, {{'model': model, ...}})), "
             f"or make one file of it with `torchrig checkpoint consolidate {folder} OUT`"
         )
-    modules, optims, rest = split(state)
     entries = meta["entries"]
-    missing = [k for k in state if k not in entries]
-    if missing and strict:
-        raise CheckpointError(f"the checkpoint {folder} has no entries {missing}; it has {sorted(entries)}")
+    check_entries(folder, entries, state, strict)
     with VerifiedReader(folder, meta, verify=verify) as reader:
         md = _verified_metadata(reader, meta)
         blob = safe_torch_load(reader.path(STATE_FILE), map_location=rig.device)
+    if prepare is not None:
+        prepare(blob["values"])
+        check_entries(folder, entries, state, strict)  # what prepare added
+    modules, optims, rest = split(state)
     _compare(md, modules, strict)
     _check_before_dcp(entries, blob, modules, optims, rest, strict=strict)
     wanted = {k: o for k, o in optims.items() if k in entries}

@@ -7,6 +7,8 @@ when each is called. torchrig's own evaluation events (``on_eval_start``, ``on_e
 ``on_eval_end``, with a ``stage`` argument: ``"sanity_check"``, ``"validate"``, ``"test"`` or
 ``"predict"``) are called for every evaluation loop too, right after the Lightning event of the
 same moment.
+``on_restore_optimizers`` (torchrig's own, callbacks only) is called when a fit resumes, after
+the callbacks' ``load_state_dict`` and before the optimizers' and schedulers' state is loaded.
 
 Every method does nothing by default; override the ones you need. ``state_dict`` /
 ``load_state_dict`` let a callback's state travel in checkpoints.
@@ -101,6 +103,7 @@ EVENTS: dict[str, Event] = {
     "on_eval_end": _CALLBACK,
     "on_save_checkpoint": _BOTH,
     "on_load_checkpoint": _BOTH,
+    "on_restore_optimizers": _CALLBACK,
     "on_exception": _CALLBACK,
     "teardown": _BOTH,
 }
@@ -284,6 +287,13 @@ class Callback:
     def on_load_checkpoint(self, trainer: Trainer, module: TrainingModule, checkpoint: dict[str, Any]) -> None: ...
 
     def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None: ...
+
+    def on_restore_optimizers(self, trainer: Trainer, module: TrainingModule) -> None:
+        """torchrig's own: a fit resuming from a checkpoint calls it once every callback's state
+        is loaded, before the optimizers' and schedulers' state is: a callback that changed them
+        during the saved run (parameter groups added, a scheduler swapped in) makes them so again
+        here, so that the saved state loads into them (:class:`~torchrig.BaseFinetuning` re-adds
+        its parameter groups)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -448,7 +448,10 @@ def _auto_resume(tr: Trainer) -> None:
 
 
 def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
-    """Load everything back; the loop continues at the batch after the one saved."""
+    """Load everything back; the loop continues at the batch after the one saved.
+
+    The callbacks' state is loaded first, then ``on_restore_optimizers`` runs, then the
+    optimizers, schedulers, module and the rest are loaded (``rig.load(..., prepare=)``)."""
     path = _resolve_path(tr, ckpt_path)
     if path is None:
         return
@@ -456,7 +459,18 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
         epoch = read_summary(path).get("epoch")
         tr.run.reload_for_resume(int(epoch) if isinstance(epoch, int) else 0)
     state = checkpoint_state(tr)
-    left = tr.rig.load(path, state)
+
+    def restore_callbacks(values: dict[str, Any]) -> None:
+        # Before the optimizers and schedulers: a callback that changed them in the saved run
+        # (param groups added, a scheduler swapped in) makes them so again, so that they load.
+        saved = values.get("callbacks", {})
+        for cb in tr.callbacks:
+            if cb.state_key in saved:
+                cb.load_state_dict(saved[cb.state_key])
+        tr.run.emit("on_restore_optimizers")
+        state.update(checkpoint_state(tr))
+
+    left = tr.rig.load(path, state, prepare=restore_callbacks)
     _align_batch_index(tr)
     if isinstance(path, CheckpointURL):  # retention never touches object storage it did not write
         tr.run.resumed_from, shown = None, str(path)
@@ -468,10 +482,6 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     mid = fs.batch_idx and not fs.epoch_finished
     where = f"in epoch {epoch} after {fs.batch_idx} batches" if mid else f"with epoch {epoch}"
     tr.rig.print(f"torchrig: resumed from {shown}: continues {where}, step {fs.global_step}")
-    saved = left.get("callbacks", {})
-    for cb in tr.callbacks:
-        if cb.state_key in saved:
-            cb.load_state_dict(saved[cb.state_key])
     tr.run.emit("on_load_checkpoint", left.get("callback_extras", {}))
     tr.run.resumed = True
 
