@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
     from torchrig.trainer.profiler import Profiler, PyTorchProfiler, SimpleProfiler
     from torchrig.trainer.progress import ProgressBar
     from torchrig.trainer.timer import Timer
+    from torchrig.tune.callbacks import BatchSizeFinder, LearningRateFinder
 
 __version__ = "0.1.0"
 
@@ -119,6 +120,8 @@ _EXPORTS: dict[str, str] = {
     "TQDMProgressBar": "torchrig.trainer.lightning_names",
     "BasePredictionWriter": "torchrig.trainer.prediction_writer",
     "Timer": "torchrig.trainer.timer",
+    "BatchSizeFinder": "torchrig.tune.callbacks",
+    "LearningRateFinder": "torchrig.tune.callbacks",
     "CSVLogger": "torchrig.trainer.loggers",
     "TensorBoardLogger": "torchrig.trainer.loggers",
     "MLflowLogger": "torchrig.trainer.loggers_mlflow",
@@ -173,6 +176,7 @@ __all__ = [
     "STRATEGY_REGISTRY",
     "Accelerator",
     "BasePredictionWriter",
+    "BatchSizeFinder",
     "CPUAccelerator",
     "CSVLogger",
     "Callback",
@@ -188,6 +192,7 @@ __all__ = [
     "FSDPStrategy",
     "GradientAccumulationScheduler",
     "LambdaCallback",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "MLflowLogger",
     "ModelCheckpoint",

@@ -123,6 +123,9 @@ class RigDataLoader:
         self._epoch_rng: dict[str, Any] | None = None
         #: The StatefulDataLoader's state to continue from at the next (resumed) ``iter()``.
         self._loader_state: dict[str, Any] | None = None
+        #: The state last loaded, until the next ``iter()``: saved again as it was given (a
+        #: position from another batch size is not rounded to this loader's batches).
+        self._loaded: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -134,9 +137,10 @@ class RigDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` run epoch ``epoch`` (normally counted for you)."""
-        self._resume_at = (epoch, 0)
+        self._resume_at, self._loaded = (epoch, 0), None
 
     def __iter__(self) -> Iterator[Any]:
+        self._loaded = None
         if self._resume_at is not None:
             self.epoch, skip = self._resume_at
             self._resume_at = None
@@ -230,7 +234,10 @@ class RigDataLoader:
         of the epoch's global order that all ranks together consumed (``len(dataset)`` once the
         epoch is over), with the ``num_replicas`` and ``batch_size`` it ran with, so a run with
         another number of processes or batch size resumes at the same place in the data.
+        Between ``load_state_dict`` and the next ``iter()`` it is the state loaded, as given.
         """
+        if self._loaded is not None:
+            return dict(self._loaded)
         state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
         if self._epoch_rng is not None:
             state["epoch_rng"] = self._every_rank(self._epoch_rng)
@@ -258,6 +265,7 @@ class RigDataLoader:
         the resume starts at that batch and warns how many samples are seen again.
         """
         epoch, seen = int(state["epoch"]), int(state["batches_seen"])
+        self._loaded = dict(state)
         self.seed = int(state.get("seed", self.seed))
         rngs = state.get("epoch_rng")
         rank, world = (0, 1) if self.strategy is None else (self.strategy.global_rank, self.strategy.world_size)
