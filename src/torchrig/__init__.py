@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
     from torchrig.trainer.prediction_writer import BasePredictionWriter
     from torchrig.trainer.profiler import Profiler, PyTorchProfiler, SimpleProfiler
     from torchrig.trainer.progress import ProgressBar
+    from torchrig.trainer.pruning import ModelPruning
     from torchrig.trainer.timer import Timer
     from torchrig.tune.callbacks import BatchSizeFinder, LearningRateFinder
 
@@ -130,6 +131,7 @@ _EXPORTS: dict[str, str] = {
     "PyTorchProfiler": "torchrig.trainer.profiler",
     "SimpleProfiler": "torchrig.trainer.profiler",
     "ProgressBar": "torchrig.trainer.progress",
+    "ModelPruning": "torchrig.trainer.pruning",
 }
 
 
@@ -197,6 +199,7 @@ __all__ = [
     "MLflowLogger",
     "ModelCheckpoint",
     "ModelParallelStrategy",
+    "ModelPruning",
     "ModelSummary",
     "OnExceptionCheckpoint",
     "Plan",
