@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
     from torchrig.trainer.profiler import Profiler, PyTorchProfiler, SimpleProfiler
     from torchrig.trainer.progress import ProgressBar
     from torchrig.trainer.pruning import ModelPruning
+    from torchrig.trainer.spike import SpikeDetection, TrainingSpikeException
     from torchrig.trainer.timer import Timer
     from torchrig.tune.callbacks import BatchSizeFinder, LearningRateFinder
 
@@ -132,6 +133,8 @@ _EXPORTS: dict[str, str] = {
     "SimpleProfiler": "torchrig.trainer.profiler",
     "ProgressBar": "torchrig.trainer.progress",
     "ModelPruning": "torchrig.trainer.pruning",
+    "SpikeDetection": "torchrig.trainer.spike",
+    "TrainingSpikeException": "torchrig.trainer.spike",
 }
 
 
@@ -213,6 +216,7 @@ __all__ = [
     "Rig",
     "SimpleProfiler",
     "SingleDeviceStrategy",
+    "SpikeDetection",
     "Strategy",
     "TQDMProgressBar",
     "TensorBoardLogger",
@@ -221,6 +225,7 @@ __all__ = [
     "TorchDeviceAccelerator",
     "Trainer",
     "TrainingModule",
+    "TrainingSpikeException",
     "WandbLogger",
     "XLAAccelerator",
     "__version__",
