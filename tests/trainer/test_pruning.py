@@ -8,14 +8,18 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import loader, quiet_trainer
+from trainer_helpers import checkpointed_fit, lightning_trainer, loader, quiet_trainer
 
 import torchrig
 
 
-class Net(torchrig.TrainingModule):
-    def __init__(self) -> None:
-        super().__init__()
+class NetSteps:
+    """The model's steps, for torchrig's module and Lightning's alike."""
+
+    a: torch.nn.Linear
+    b: torch.nn.Linear
+
+    def layers(self) -> None:
         self.a, self.b = torch.nn.Linear(4, 16), torch.nn.Linear(16, 1)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -23,37 +27,27 @@ class Net(torchrig.TrainingModule):
         return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=0.05)  # type: ignore[attr-defined]
+
+
+class Net(NetSteps, torchrig.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers()
 
 
 def lightning_weights(tmp_path: Path, start: dict[str, torch.Tensor], **pruning: Any) -> dict[str, torch.Tensor]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelPruning
 
-    class LNet(pl.LightningModule):
+    class LNet(NetSteps, pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 16), torch.nn.Linear(16, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+            self.layers()
 
     model = LNet()
     model.load_state_dict(start)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[ModelPruning(**pruning)],
-    )
+    trainer = lightning_trainer(tmp_path, max_epochs=1, callbacks=[ModelPruning(**pruning)])
     trainer.fit(model, loader(32, batch_size=4))
     return {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -89,11 +83,7 @@ def test_pruning_masks_and_originals_survive_a_resume(tmp_path: Path) -> None:
         torch.manual_seed(0)
         module = Net()
         pruning = torchrig.ModelPruning("l1_unstructured", amount=0.3, make_pruning_permanent=False)
-        checkpoints = torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)
-        trainer = quiet_trainer(
-            root, max_epochs=3, max_steps=max_steps, enable_checkpointing=True, callbacks=[pruning, checkpoints]
-        )
-        trainer.fit(module, loader(32, batch_size=4, shuffle=True), ckpt_path=ckpt)
+        checkpointed_fit(root, module, [pruning], max_steps, ckpt, loader(32, batch_size=4, shuffle=True))
         return module
 
     whole = fit(-1, root=tmp_path / "a")

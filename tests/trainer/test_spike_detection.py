@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import loader, params, quiet_trainer
+from trainer_helpers import checkpointed_fit, lightning_trainer, loader, params, quiet_trainer
 
 import torchrig
 
@@ -18,53 +18,45 @@ SPIKE_AT = (1, 5)  # (epoch, batch) whose loss is multiplied by 50
 RTOL = 5.0  # at Lightning's 2.0 both find a spike in batch 3 of the first epoch already
 
 
-class Spiky(torchrig.TrainingModule):
+class SpikySteps:
     """Plain SGD (no momentum: a skipped step is a step with zero gradients) on a regression
-    whose loss at SPIKE_AT is 50 times larger (``zero_at_spike``: 0 times, for comparison)."""
+    whose loss at SPIKE_AT is ``factor`` times larger; for torchrig's module and Lightning's alike."""
+
+    net: torch.nn.Linear
+    factor = 50.0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        epoch = self.trainer.current_epoch  # type: ignore[attr-defined]
+        return loss * self.factor if (epoch, batch_idx) == SPIKE_AT else loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.02)  # type: ignore[attr-defined]
+
+
+class Spiky(SpikySteps, torchrig.TrainingModule):
+    """``zero_at_spike``: the spike batch's loss times 0, for comparison."""
 
     def __init__(self, zero_at_spike: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Linear(4, 1)
         self.factor = 0.0 if zero_at_spike else 50.0
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        return loss * self.factor if (self.trainer.current_epoch, batch_idx) == SPIKE_AT else loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.02)
-
 
 def lightning_spike(tmp_path: Path, start: dict[str, torch.Tensor], rtol: float) -> tuple[str, list[int]]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import SpikeDetection
 
-    class LSpiky(pl.LightningModule):
+    class LSpiky(SpikySteps, pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Linear(4, 1)
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            loss = torch.nn.functional.mse_loss(self.net(x), y)
-            return loss * 50.0 if (self.current_epoch, batch_idx) == SPIKE_AT else loss
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.02)
-
     model = LSpiky()
     model.load_state_dict(start)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[SpikeDetection(rtol=rtol, exclude_batches_path=tmp_path / "theirs.json")],
-    )
+    spikes = SpikeDetection(rtol=rtol, exclude_batches_path=tmp_path / "theirs.json")
+    trainer = lightning_trainer(tmp_path, max_epochs=3, callbacks=[spikes])
     with pytest.raises(RuntimeError) as raised:
         trainer.fit(model, loader(32, batch_size=4))
     return str(raised.value), json.loads((tmp_path / "theirs.json").read_text())
@@ -102,11 +94,7 @@ def test_spike_window_resumes_exactly(tmp_path: Path) -> None:
     def fit(max_steps: int, ckpt: Any = None, root: Path = tmp_path) -> tuple[Spiky, torchrig.SpikeDetection]:
         torch.manual_seed(0)
         module, spikes = Spiky(), torchrig.SpikeDetection(on_spike="skip", window=4, rtol=RTOL)
-        checkpoints = torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)
-        trainer = quiet_trainer(
-            root, max_epochs=3, max_steps=max_steps, enable_checkpointing=True, callbacks=[spikes, checkpoints]
-        )
-        trainer.fit(module, loader(32, batch_size=4, shuffle=True), ckpt_path=ckpt)
+        checkpointed_fit(root, module, [spikes], max_steps, ckpt, loader(32, batch_size=4, shuffle=True))
         return module, spikes
 
     whole, first = fit(-1, root=tmp_path / "a")

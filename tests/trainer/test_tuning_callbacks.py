@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from trainer_helpers import params, quiet_trainer, regression_data
+from trainer_helpers import checkpointed_fit, lightning_trainer, params, quiet_trainer, regression_data
 
 import torchrig
 from torchrig.tune import scale_batch_size
@@ -20,15 +20,14 @@ LIMIT = 20  # the largest batch that "fits in memory"
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"  # the text Lightning's is_oom_error looks for
 
 
-class Sized(torchrig.TrainingModule):
+class SizedSteps:
     """A regression whose training_step runs out of memory (torch.OutOfMemoryError) above LIMIT
-    samples; its loader is built with ``self.batch_size``. Records the batch sizes it trained."""
+    samples; its loader is built with ``self.batch_size``. Records the batch sizes it trained.
+    For torchrig's module and Lightning's alike."""
 
-    def __init__(self, batch_size: int = 4, lr: float = 0.05, onecycle: bool = False) -> None:
-        super().__init__()
-        self.batch_size, self.lr, self.onecycle = batch_size, lr, onecycle
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-        self.tried: list[int] = []
+    batch_size: int
+    net: torch.nn.Module
+    tried: list[int]
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -40,6 +39,14 @@ class Sized(torchrig.TrainingModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(regression_data(64), batch_size=self.batch_size, shuffle=True)
+
+
+class Sized(SizedSteps, torchrig.TrainingModule):
+    def __init__(self, batch_size: int = 4, lr: float = 0.05, onecycle: bool = False) -> None:
+        super().__init__()
+        self.batch_size, self.lr, self.onecycle = batch_size, lr, onecycle
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.tried = []
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -54,37 +61,18 @@ def lightning_sizes(tmp_path: Path, mode: str, margin: float) -> tuple[int, list
     import lightning.pytorch as pl
     from lightning.pytorch.tuner import Tuner
 
-    class LSized(pl.LightningModule):
+    class LSized(SizedSteps, pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             # Lightning's first trial runs with the loader built before the search: start at init_val
             self.batch_size = 2
             self.net = torch.nn.Linear(4, 1)
-            self.tried: list[int] = []
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            if not self.tried or self.tried[-1] != len(x):
-                self.tried.append(len(x))
-            if len(x) > LIMIT:
-                raise torch.OutOfMemoryError(OOM)
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def train_dataloader(self) -> DataLoader[Any]:
-            return DataLoader(regression_data(64), batch_size=self.batch_size)
+            self.tried = []
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = lightning_trainer(tmp_path, max_epochs=1)
     model = LSized()
     found = Tuner(trainer).scale_batch_size(model, mode=mode, margin=margin)
     assert found is not None
@@ -214,11 +202,7 @@ def test_batch_size_finder_resumes_with_the_size_it_found(tmp_path: Path) -> Non
         # in its batches; the position goes to the loader of 20 as saved.
         module = Sized(batch_size=3)  # no OneCycle: max_steps=2 would size its schedule
         finder = torchrig.BatchSizeFinder(mode="binsearch", margin=0.0)
-        checkpoints = torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)
-        trainer = quiet_trainer(
-            root, max_epochs=2, max_steps=max_steps, enable_checkpointing=True, callbacks=[finder, checkpoints]
-        )
-        trainer.fit(module, ckpt_path=ckpt)
+        checkpointed_fit(root, module, [finder], max_steps, ckpt, max_epochs=2)
         return module, finder
 
     whole, _ = fit(-1, root=tmp_path / "a")
@@ -271,11 +255,7 @@ def test_learning_rate_finder_resumes_with_its_learning_rate(tmp_path: Path) -> 
     def fit(max_steps: int, ckpt: Any = None, root: Path = tmp_path) -> tuple[WithLR, torchrig.LearningRateFinder]:
         torch.manual_seed(0)
         module, finder = WithLR(), torchrig.LearningRateFinder(num_training_steps=30, max_lr=0.5)
-        checkpoints = torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)
-        trainer = quiet_trainer(
-            root, max_epochs=2, max_steps=max_steps, enable_checkpointing=True, callbacks=[finder, checkpoints]
-        )
-        trainer.fit(module, ckpt_path=ckpt)
+        checkpointed_fit(root, module, [finder], max_steps, ckpt, max_epochs=2)
         return module, finder
 
     whole, first = fit(-1, root=tmp_path / "a")

@@ -126,3 +126,36 @@ def docs_example(heading: str, doc: str = "trainer_tools.md") -> str:
     end = text.find("\n## ", start + 1)
     (code,) = re.findall(r"```python\n(.*?)```", text[start : end if end != -1 else len(text)], re.S)
     return code
+
+
+def lightning_trainer(tmp_path: Any, **kwargs: Any) -> Any:
+    """Lightning's own Trainer on the CPU, quiet (no logger, checkpoints, bar or summary): to
+    compare a torchrig feature with Lightning's on the same tiny model."""
+    import lightning.pytorch as pl
+    from hook_recording import quiet_lightning
+
+    quiet_lightning()
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+    }
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+def checkpointed_fit(
+    root: Path, module: Any, callbacks: list[Any], max_steps: int, ckpt: Any = None, data: Any = None, **kwargs: Any
+) -> torchrig.Trainer:
+    """A fit (3 epochs unless ``max_epochs=``) saving ``last`` after every step in ``root/ck``:
+    stopped at ``max_steps`` and resumed with ``ckpt="last"``, it must equal the fit run through."""
+    checkpoints = torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)
+    kwargs.setdefault("max_epochs", 3)
+    trainer = quiet_trainer(
+        root, max_steps=max_steps, enable_checkpointing=True, callbacks=[*callbacks, checkpoints], **kwargs
+    )
+    trainer.fit(module, data, ckpt_path=ckpt)
+    return trainer
