@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from trainer_helpers import checkpointed_fit, lightning_trainer, params, quiet_trainer, regression_data
+from trainer_helpers import checkpointed_fit, lightning_trainer, params, quiet_trainer, regression_data, run_script
 
 import torchrig
 from torchrig.tune import scale_batch_size
@@ -288,3 +288,43 @@ def test_learning_rate_finder_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=re.escape(msg)):
         trainer.fit(NoLR())
+
+
+def test_scale_batch_size_under_a_real_memory_limit(tmp_path: Path) -> None:
+    """A process whose address space is capped (RLIMIT_AS): the CPU allocator's own error ends
+    the growth, and the search keeps the largest size that ran."""
+    run_script(
+        tmp_path,
+        """
+import resource, sys, torch, torchrig
+from torch.utils.data import DataLoader, TensorDataset
+from trainer_helpers import quiet_trainer
+
+MB = 1 << 20
+
+class Hungry(torchrig.TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.batch_size, self.layer = 2, torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hungry = torch.ones(len(x), 16 * MB // 4)  # 16 MiB a sample: like activations
+        return torch.nn.functional.mse_loss(self.layer(x), y) + 0 * hungry.sum()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=self.batch_size)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+trainer = quiet_trainer(sys.argv[1])
+with open("/proc/self/status") as f:
+    used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (used + 400 * MB, resource.RLIM_INFINITY))  # room for ~20 samples
+found = torchrig.tune.scale_batch_size(trainer, Hungry())
+print("found", found)
+assert found in (8, 16), found
+""",
+        str(tmp_path),
+    )
