@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import checkpointed_fit, lightning_trainer, loader, params, quiet_trainer
+from trainer_helpers import checkpointed_fit, lightning_trainer, loader, params, quiet_trainer, run_script
 
 import torchrig
 
@@ -117,3 +117,38 @@ def test_spike_refuses_bad_arguments(tmp_path: Path) -> None:
     msg = "SpikeDetection(on_spike='skip') skips one batch's optimizer step, but accumulate_grad_batches=2"
     with pytest.raises(ValueError, match=re.escape(msg)):
         trainer.fit(Spiky(), loader(8))
+
+
+DDP_SCRIPT = r"""
+import sys
+from pathlib import Path
+import torch
+import torchrig
+from trainer_helpers import loader
+from test_spike_detection import RTOL, Spiky
+
+class OnlyRankOne(Spiky):
+    def setup(self, stage):  # the loss spikes on rank 1 only
+        self.factor = 50.0 if self.trainer.global_rank == 1 else 1.0
+
+folder = Path(sys.argv[1])
+torch.manual_seed(0)
+module, spikes = OnlyRankOne(), torchrig.SpikeDetection(on_spike="skip", rtol=RTOL)
+trainer = torchrig.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
+                           enable_checkpointing=False, max_epochs=2, default_root_dir=folder, callbacks=[spikes])
+trainer.fit(module, loader(64, batch_size=4))
+state = {"bad": spikes.bad_batches, "weights": [p.detach() for p in module.parameters()]}
+torch.save(state, folder / f"rank{trainer.global_rank}.pt")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.distributed
+def test_spike_on_one_process_skips_the_step_on_every_process(tmp_path: Path) -> None:
+    run_script(tmp_path, DDP_SCRIPT, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    bad = ranks[0]["bad"]
+    assert bad == ranks[1]["bad"] and bad[-2:] == [4, 5]  # decided together (and rank 1's spike is in)
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
+        assert torch.equal(a, b)  # both skipped the steps: the replicas stay equal
+    assert json.loads((tmp_path / "skip_batches.json").read_text()) == bad
