@@ -331,3 +331,12 @@ assert found in (8, 16), found
 """,
         str(tmp_path),
     )
+
+
+@pytest.mark.parametrize("finder", ["BatchSizeFinder", "LearningRateFinder"])
+def test_finders_skip_a_fast_dev_run(tmp_path: Path, finder: str) -> None:
+    module = WithLR()
+    trainer = quiet_trainer(tmp_path, fast_dev_run=True, callbacks=[getattr(torchrig, finder)()])
+    with pytest.warns(UserWarning, match=re.escape(f"{finder}: skipped under fast_dev_run")):
+        trainer.fit(module)
+    assert module.tried == [8] and module.batch_size == 8 and module.lr == 1e-3  # one batch, as given

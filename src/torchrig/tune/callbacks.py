@@ -76,6 +76,8 @@ class BatchSizeFinder(Callback):
         stages.remake_fit_setup(trainer, loaders=True, optimizers=True)
 
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        if _skipped_for_fast_dev_run(trainer, "BatchSizeFinder"):
+            return
         if trainer.run.resumed and self.found:  # the size the interrupted fit found
             name, datamodule = self.search.batch_arg_name, trainer.run.datamodule
             Attribute("BatchSizeFinder", "batch_arg_name", name, module, datamodule).set(self.optimal_batch_size)
@@ -165,6 +167,8 @@ class LearningRateFinder(Callback):
         stages.remake_fit_setup(trainer, loaders=False, optimizers=True)
 
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        if _skipped_for_fast_dev_run(trainer, "LearningRateFinder"):
+            return
         if trainer.run.resumed and self.suggested_lr is not None:  # the optimizer's state holds it already
             self._attribute(module, trainer).set(self.suggested_lr)
             return
@@ -176,3 +180,11 @@ class LearningRateFinder(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         lr = state.get("suggested_lr")
         self.suggested_lr = None if lr is None else float(lr)
+
+
+def _skipped_for_fast_dev_run(trainer: Trainer, who: str) -> bool:
+    """A ``fast_dev_run`` checks that the code runs: no search (as in Lightning), said once."""
+    if not trainer.fast_dev_run:
+        return False
+    warnings.warn(f"{who}: skipped under fast_dev_run (a search takes many steps); the fit runs as given", stacklevel=3)
+    return True
