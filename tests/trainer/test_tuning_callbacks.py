@@ -41,6 +41,13 @@ class SizedSteps:
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(regression_data(64), batch_size=self.batch_size, shuffle=True)
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self.training_step(batch, batch_idx)  # the same limit, without gradients
+        self.log("test_loss", loss, batch_size=len(batch[0]))  # type: ignore[attr-defined]
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(regression_data(64), batch_size=self.batch_size)
+
 
 class Sized(SizedSteps, torchrig.TrainingModule):
     def __init__(self, batch_size: int = 4, lr: float = 0.05, onecycle: bool = False) -> None:
@@ -340,3 +347,36 @@ def test_finders_skip_a_fast_dev_run(tmp_path: Path, finder: str) -> None:
     with pytest.warns(UserWarning, match=re.escape(f"{finder}: skipped under fast_dev_run")):
         trainer.fit(module)
     assert module.tried == [8] and module.batch_size == 8 and module.lr == 1e-3  # one batch, as given
+
+
+def test_batch_size_finder_searches_at_the_start_of_test_as_lightnings(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BatchSizeFinder as LightningBatchSizeFinder
+
+    torch.manual_seed(0)
+    module, finder = Sized(), torchrig.BatchSizeFinder()
+    ours = quiet_trainer(tmp_path, callbacks=[finder]).test(module)
+    assert finder.optimal_batch_size == module.batch_size == 16
+    assert module.tried[-1] == 16  # the test itself ran with the size found
+    direct = quiet_trainer(tmp_path).test(module)  # the same module, given 16
+    assert ours == direct
+
+    class LSized(SizedSteps, pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size, self.tried = 2, []
+            self.net = torch.nn.Linear(4, 1)
+
+    theirs_finder = LightningBatchSizeFinder()
+    theirs = LSized()
+    lightning_trainer(tmp_path, callbacks=[theirs_finder]).test(theirs, verbose=False)
+    assert theirs_finder.optimal_batch_size == theirs.batch_size == 16
+    assert module.tried[:5] == theirs.tried[:5] == [2, 4, 8, 16, 32]
+
+
+def test_batch_size_finder_refuses_a_loader_given_to_test(tmp_path: Path) -> None:
+    module = Sized()
+    trainer = quiet_trainer(tmp_path, callbacks=[torchrig.BatchSizeFinder()])
+    msg = "BatchSizeFinder asks the test loader method for loaders of each batch size it tries, but this run was given"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        trainer.test(module, module.test_dataloader())

@@ -118,6 +118,7 @@ def run_eval_stage(
     try:
         setup(tr, module, datamodule, stage)
         prepared = prepare_module(tr, module)
+        tr.run.datamodule, tr.run.eval_given = datamodule, loaders is not None
         loaders = _loaders_of(module, datamodule, loaders, _LOADER_METHODS[stage])
         if loaders is None:
             raise ValueError(
@@ -371,6 +372,15 @@ def remake_fit_setup(tr: Trainer, *, loaders: bool, optimizers: bool) -> None:
         run.check_training_batches()
     if optimizers:
         configure_optimizers(tr, run.require_module())
+
+
+def remake_eval_loaders(tr: Trainer, stage: str) -> None:
+    """At the start of a validate/test/predict run (``on_test_start``...), after a tuner changed
+    the batch size: ask the datamodule (or module) for the stage's loaders again; the loop runs
+    the new ones (replaced in place in the run's list)."""
+    module = tr.run.require_module()
+    loaders = _loaders_of(module, tr.run.datamodule, None, _LOADER_METHODS[stage])
+    tr.run.eval_loaders[stage][:] = _prepare_loaders(tr, loaders, "dataloaders")
 
 
 def _train_loader(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, given: Any) -> Any:

@@ -16,6 +16,8 @@ random number generators are what they were, bitwise, and the batch size found i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import math
 from dataclasses import dataclass
@@ -133,11 +135,28 @@ def _run_scale(tr: Trainer, module: TrainingModule, datamodule: DataModule | Non
         restore_rng(rng, tr.rig.device)
 
 
+#: What a trial of each stage runs: the loader method, the module's step.
+_STAGES = {
+    "fit": ("train_dataloader", "training_step"),
+    "validate": ("val_dataloader", "validation_step"),
+    "test": ("test_dataloader", "test_step"),
+    "predict": ("predict_dataloader", "predict_step"),
+}
+
+
 def find_batch_size(
-    tr: Trainer, who: str, prepared: Any, optimizer: Any, datamodule: DataModule | None, search: Search
+    tr: Trainer,
+    who: str,
+    prepared: Any,
+    optimizer: Any,
+    datamodule: DataModule | None,
+    search: Search,
+    stage: str = "fit",
 ) -> int:
-    """The search on a module and optimizer the Trainer's Rig prepared; the size found is set on
-    the module (or datamodule), everything else is put back (the RNG by the caller)."""
+    """The search on a module (and, for ``"fit"``, an optimizer) the Trainer's Rig prepared; the
+    size found is set on the module (or datamodule), everything else is put back (the RNG by the
+    caller). A ``"fit"`` trial trains ``steps_per_trial`` optimizer steps; a ``"validate"``,
+    ``"test"`` or ``"predict"`` one runs that many batches of the stage's step, as the stage runs it."""
     if tr.rig.world_size > 1:
         raise ValueError(
             f"{who} runs in one process (as Lightning's): an out-of-memory error in one of "
@@ -146,17 +165,28 @@ def find_batch_size(
         )
     module = prepared.module
     attr = Attribute(who, "batch_arg_name", search.batch_arg_name, module, datamodule)
-    make = loader_maker(who, module, datamodule)
+    method, step_name = _STAGES[stage]
+    make = loader_maker(who, module, datamodule, method)
     data_size: list[float] = [math.inf]
+    if stage == "fit":
+        step = functools.partial(train_batch, tr, prepared, optimizer, who=who)
+    else:
+        step = prepared.step_caller(getattr(module, step_name))
 
     def runs(size: int) -> bool:
         attr.set(size)
-        loader = sweep_loader(tr, make())
+        made = make()
+        if isinstance(made, (list, tuple)):
+            if len(made) != 1:
+                raise ValueError(f"{who} searches the batch size of one loader; {method}() returned {len(made)}")
+            made = made[0]
+        loader = sweep_loader(tr, made)
         data_size[0] = len(loader.dataset) if hasattr(loader.dataset, "__len__") else math.inf
         batches = cycled(loader, who)
         try:
-            for i in range(search.steps_per_trial):
-                train_batch(tr, prepared, optimizer, next(batches), i, who)
+            with contextlib.nullcontext() if stage == "fit" else tr.run.eval_context():
+                for i in range(search.steps_per_trial):
+                    step(next(batches), i)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not out_of_memory(exc):
                 raise
@@ -171,7 +201,7 @@ def find_batch_size(
         return True
 
     with Restored(tr, prepared, optimizer):
-        prepared.train()
+        prepared.train(stage == "fit")
         largest = _search(search, runs, lambda: data_size[0], who)
     if search.mode == "binsearch" and search.margin > 0:
         largest = max(1, int(largest * (1 - search.margin)))

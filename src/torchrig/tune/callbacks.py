@@ -35,9 +35,11 @@ class BatchSizeFinder(Callback):
     that batch size: loaders, shuffle seed, ``configure_optimizers()`` (a schedule sized by
     ``trainer.estimated_stepping_batches``) and RNG alike.
 
-    The loaders must come from the module's or datamodule's ``train_dataloader()`` (a
-    DataLoader given to ``fit`` is built already and is refused, as in Lightning). It searches
-    for fits only (Lightning's also at the start of validate/test/predict) and in one process.
+    At the start of ``validate``, ``test`` and ``predict`` (Lightning's too) it searches with
+    that stage's step (no gradients) and asks the stage's ``*_dataloader()`` again.
+
+    The loaders must come from the module's or datamodule's loader methods (a DataLoader given
+    to ``fit``, ``test``... is built already and is refused, as in Lightning). One process.
     """
 
     def __init__(
@@ -74,6 +76,36 @@ class BatchSizeFinder(Callback):
             restore_rng(rng, trainer.rig.device)
         self.optimal_batch_size, self.found = size, True
         stages.remake_fit_setup(trainer, loaders=True, optimizers=True)
+
+    def scale_eval_batch_size(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
+        """Search for a ``validate``/``test``/``predict`` run (its step, no gradients), then ask
+        the stage's ``*_dataloader()`` again."""
+        who = "BatchSizeFinder"
+        if _skipped_for_fast_dev_run(trainer, who):
+            return
+        if trainer.run.eval_given:
+            raise ValueError(
+                f"{who} asks the {stage} loader method for loaders of each batch size it tries, but this run was "
+                "given its DataLoader: return it from the module's (or a datamodule's) loader method instead"
+            )
+        rng = capture_rng(trainer.rig.device)
+        try:
+            prepared, datamodule = trainer.run.prepared_module, trainer.run.datamodule
+            size = find_batch_size(trainer, who, prepared, None, datamodule, self.search, stage)
+        finally:
+            restore_rng(rng, trainer.rig.device)
+        self.optimal_batch_size, self.found = size, True
+        stages.remake_eval_loaders(trainer, stage)
+
+    def on_validation_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        if trainer.run.stage == "validate" and not trainer.sanity_checking:  # not a fit's validation
+            self.scale_eval_batch_size(trainer, module, "validate")
+
+    def on_test_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        self.scale_eval_batch_size(trainer, module, "test")
+
+    def on_predict_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        self.scale_eval_batch_size(trainer, module, "predict")
 
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
         if _skipped_for_fast_dev_run(trainer, "BatchSizeFinder"):

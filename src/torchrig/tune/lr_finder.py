@@ -258,7 +258,7 @@ def _sweep_loop(tr: Trainer, prepared: Any, optimizer: Any, loader: Any, sweep: 
         lr = sweep.lr(i)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = train_batch(tr, prepared, optimizer, next(batches), i, "lr_find()")
+        loss = train_batch(tr, prepared, optimizer, next(batches), i, who="lr_find()")
         # One host sync per step (the finder's early stop must be decided alike on every rank).
         value = float(rig.all_reduce(loss.detach().float(), "mean") if rig.world_size > 1 else loss.detach())
         smoothed = smoother.add(value)

@@ -52,7 +52,7 @@ def one_optimizer(who: str, module: TrainingModule, optimizers: list[Any]) -> An
     return optimizers[0]
 
 
-def train_batch(tr: Trainer, prepared: Any, optimizer: Any, batch: Any, batch_idx: int, who: str) -> torch.Tensor:
+def train_batch(tr: Trainer, prepared: Any, optimizer: Any, batch: Any, batch_idx: int, *, who: str) -> torch.Tensor:
     """One optimizer step on ``batch`` through the Rig (the module's ``training_step``, backward,
     the Trainer's gradient clipping, step, zero_grad); the loss, on the device."""
     loss = loops.loss_of(prepared.step_caller(prepared.module.training_step)(batch, batch_idx))
@@ -71,7 +71,7 @@ class Restored:
     given) and where logged values go back as they were when the block was entered."""
 
     def __init__(
-        self, tr: Trainer, prepared: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: Any = None
+        self, tr: Trainer, prepared: torch.nn.Module, optimizer: torch.optim.Optimizer | None, loader: Any = None
     ) -> None:
         self.tr, self.module, self.optimizer, self.loader = tr, prepared, optimizer, loader
 
@@ -80,7 +80,7 @@ class Restored:
         # keep_vars: the live tensors (DTensor shards under FSDP), copied back in place.
         self.tensors = list(self.module.state_dict(keep_vars=True).values())
         self.saved = [t.detach().clone() for t in self.tensors]
-        self.optimizer_state = deep_clone(self.optimizer.state_dict())
+        self.optimizer_state = None if self.optimizer is None else deep_clone(self.optimizer.state_dict())
         self.precision_state = deep_clone(tr.rig.precision.state_dict())
         self.position = None if self.loader is None else vars(self.loader).copy()
         self.modes = [(m, m.training) for m in self.module.modules()]
@@ -94,7 +94,8 @@ class Restored:
                 live.copy_(saved)
         for p in self.module.parameters():
             p.grad = None
-        self.optimizer.load_state_dict(self.optimizer_state)
+        if self.optimizer is not None and self.optimizer_state is not None:
+            self.optimizer.load_state_dict(self.optimizer_state)
         tr.rig.precision.load_state_dict(self.precision_state)
         if self.position is not None:
             vars(self.loader).update(self.position)
@@ -161,14 +162,16 @@ class Attribute:
                 setattr(place, self.name, value)
 
 
-def loader_maker(who: str, module: TrainingModule, datamodule: DataModule | None) -> Callable[[], Any]:
-    """The ``train_dataloader()`` a tuner asks again after changing the batch size: the
-    datamodule's, else the module's."""
+def loader_maker(
+    who: str, module: TrainingModule, datamodule: DataModule | None, method: str = "train_dataloader"
+) -> Callable[[], Any]:
+    """The ``method`` (``train_dataloader``...) a tuner asks again after changing the batch
+    size: the datamodule's, else the module's."""
     owner: Any = datamodule if datamodule is not None else module
-    make = getattr(owner, "train_dataloader", None)
+    make = getattr(owner, method, None)
     if not callable(make):
         raise ValueError(
-            f"{who} changes the batch size the training DataLoader is built with, so it needs the loader from "
-            f"train_dataloader() of the module or a datamodule; {type(module).__name__} defines none"
+            f"{who} changes the batch size the DataLoader is built with, so it needs the loader from "
+            f"{method}() of the module or a datamodule; {type(module).__name__} defines none"
         )
     return make
