@@ -112,3 +112,13 @@ def test_pruning_refuses_a_module_outside_the_fit(tmp_path: Path) -> None:
     msg = "ModelPruning(parameters_to_prune=[(Linear, 'weight'), ...]): that module is not part of Net"
     with pytest.raises(ValueError, match=re.escape(msg)):
         quiet_trainer(tmp_path, max_epochs=1, callbacks=[pruning]).fit(Net(), loader(8))
+
+
+def test_pruning_refuses_to_resume_a_checkpoint_written_without_it(tmp_path: Path) -> None:
+    saving = torchrig.ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)
+    quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[saving]).fit(Net(), loader(8))
+    pruning = torchrig.ModelPruning("l1_unstructured", amount=0.3)
+    again = torchrig.ModelCheckpoint(dirpath=tmp_path / "ck")
+    trainer = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True, callbacks=[pruning, again])
+    with pytest.raises(torchrig.CheckpointError, match=re.escape("has no entries ['ModelPruning.originals']")):
+        trainer.fit(Net(), loader(8), ckpt_path="last")
