@@ -63,8 +63,11 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
     from torchrig.trainer.prediction_writer import BasePredictionWriter
     from torchrig.trainer.profiler import Profiler, PyTorchProfiler, SimpleProfiler
     from torchrig.trainer.progress import ProgressBar
+    from torchrig.trainer.pruning import ModelPruning
+    from torchrig.trainer.spike import SpikeDetection, TrainingSpikeException
     from torchrig.trainer.timer import Timer
     from torchrig.trainer.weight_averaging import StochasticWeightAveraging, WeightAveraging
+    from torchrig.tune.callbacks import BatchSizeFinder, LearningRateFinder
 
 __version__ = "0.1.0"
 
@@ -125,6 +128,8 @@ _EXPORTS: dict[str, str] = {
     "Timer": "torchrig.trainer.timer",
     "StochasticWeightAveraging": "torchrig.trainer.weight_averaging",
     "WeightAveraging": "torchrig.trainer.weight_averaging",
+    "BatchSizeFinder": "torchrig.tune.callbacks",
+    "LearningRateFinder": "torchrig.tune.callbacks",
     "CSVLogger": "torchrig.trainer.loggers",
     "TensorBoardLogger": "torchrig.trainer.loggers",
     "MLflowLogger": "torchrig.trainer.loggers_mlflow",
@@ -133,6 +138,9 @@ _EXPORTS: dict[str, str] = {
     "PyTorchProfiler": "torchrig.trainer.profiler",
     "SimpleProfiler": "torchrig.trainer.profiler",
     "ProgressBar": "torchrig.trainer.progress",
+    "ModelPruning": "torchrig.trainer.pruning",
+    "SpikeDetection": "torchrig.trainer.spike",
+    "TrainingSpikeException": "torchrig.trainer.spike",
 }
 
 
@@ -181,6 +189,7 @@ __all__ = [
     "BackboneFinetuning",
     "BaseFinetuning",
     "BasePredictionWriter",
+    "BatchSizeFinder",
     "CPUAccelerator",
     "CSVLogger",
     "Callback",
@@ -196,10 +205,12 @@ __all__ = [
     "FSDPStrategy",
     "GradientAccumulationScheduler",
     "LambdaCallback",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "MLflowLogger",
     "ModelCheckpoint",
     "ModelParallelStrategy",
+    "ModelPruning",
     "ModelSummary",
     "OnExceptionCheckpoint",
     "Plan",
@@ -213,6 +224,7 @@ __all__ = [
     "Rig",
     "SimpleProfiler",
     "SingleDeviceStrategy",
+    "SpikeDetection",
     "StochasticWeightAveraging",
     "Strategy",
     "TQDMProgressBar",
@@ -222,6 +234,7 @@ __all__ = [
     "TorchDeviceAccelerator",
     "Trainer",
     "TrainingModule",
+    "TrainingSpikeException",
     "WandbLogger",
     "WeightAveraging",
     "XLAAccelerator",

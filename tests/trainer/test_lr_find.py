@@ -214,7 +214,7 @@ def test_refusals_name_the_problem(tmp_path: Path) -> None:
         def configure_optimizers(self) -> Any:
             return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)]
 
-    two = re.escape("sweeps the learning rate of one optimizer; configure_optimizers() returned 2")
+    two = re.escape("lr_find() steps one optimizer; configure_optimizers() returned 2")
     with pytest.raises(ValueError, match=two):
         lr_find(trainer, Two(), train_dataloaders=linreg_data())
 

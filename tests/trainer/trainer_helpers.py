@@ -135,21 +135,27 @@ def docs_example(heading: str, doc: str = "trainer_tools.md") -> str:
 
 def checkpointed_fit(
     root: Path,
-    module: torchrig.TrainingModule,
+    module: Any,
     callbacks: list[Any],
-    train: Any,
+    train: Any = None,
     val: Any = None,
     *,
-    max_epochs: int,
+    max_epochs: int = 3,
     max_steps: int = -1,
     ckpt: Any = None,
+    **kwargs: Any,
 ) -> torchrig.Trainer:
     """Fit ``module`` with ``callbacks`` and a checkpoint after every optimizer step (``root/ck``,
     with ``last``), stopping at ``max_steps``, or resuming from ``ckpt``: the two halves of an
-    interrupted fit, to compare with an uninterrupted one."""
+    interrupted fit, to compare with an uninterrupted one (``kwargs``: more Trainer arguments)."""
     every_step = torchrig.ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=1, save_last=True)
     trainer = quiet_trainer(
-        root, max_epochs=max_epochs, max_steps=max_steps, enable_checkpointing=True, callbacks=[*callbacks, every_step]
+        root,
+        max_epochs=max_epochs,
+        max_steps=max_steps,
+        enable_checkpointing=True,
+        callbacks=[*callbacks, every_step],
+        **kwargs,
     )
     trainer.fit(module, train, val, ckpt_path=ckpt)
     return trainer
@@ -182,3 +188,22 @@ def fit_under_lightning_and_torchrig(
         trainer.fit(module, train(), val() if val is not None else None)
         runs[name] = module, trainer, cb
     return runs
+
+
+def lightning_trainer(tmp_path: Any, **kwargs: Any) -> Any:
+    """Lightning's own Trainer on the CPU, quiet (no logger, checkpoints, bar or summary): to
+    compare a torchrig feature with Lightning's on the same tiny model."""
+    import lightning.pytorch as pl
+    from hook_recording import quiet_lightning
+
+    quiet_lightning()
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+    }
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)

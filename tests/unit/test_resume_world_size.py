@@ -109,10 +109,10 @@ def test_a_position_inside_a_global_batch_resumes_at_its_start_and_warns() -> No
         "batch_size=4); this run takes 10 samples per step (num_replicas=1 x batch_size=10) and 24 is "
         "not a multiple of 10, so it resumes at sample 20 and 4 samples will be seen again"
     )
-    with pytest.warns(UserWarning, match=re.escape(message)):
-        resumed.load_state_dict(state)
+    resumed.load_state_dict(state)  # said when the resumed epoch starts, not before
     order = _global_order(1)
-    assert _ids(resumed) == [order[20:30], order[30:40]]
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        assert _ids(resumed) == [order[20:30], order[30:40]]
 
 
 def test_a_finished_epoch_resumes_at_the_next_epoch_under_another_layout() -> None:

@@ -137,6 +137,11 @@ class RigDataLoader:
         #: A stateful stream's position after the batch last given out, taken before the batch
         #: after it was read ahead (None: the loader's own state is that position).
         self._position: dict[str, Any] | None = None
+        #: The state last loaded, until the next ``iter()``: saved again as it was given (a
+        #: position from another batch size is not rounded to this loader's batches).
+        self._loaded: dict[str, Any] | None = None
+        #: Said when the resumed epoch starts: samples of the loaded position seen again.
+        self._seen_again: str | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -148,9 +153,13 @@ class RigDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` run epoch ``epoch`` (normally counted for you)."""
-        self._resume_at = (epoch, 0)
+        self._resume_at, self._loaded, self._seen_again = (epoch, 0), None, None
 
     def __iter__(self) -> Iterator[Any]:
+        self._loaded = None
+        if self._seen_again is not None:  # only a loader that runs the resumed epoch sees them again
+            warnings.warn(self._seen_again, stacklevel=2)
+            self._seen_again = None
         if self._resume_at is not None:
             self.epoch, skip = self._resume_at
             self._resume_at = None
@@ -269,7 +278,10 @@ class RigDataLoader:
         of the epoch's global order that all ranks together consumed (``len(dataset)`` once the
         epoch is over), with the ``num_replicas`` and ``batch_size`` it ran with, so a run with
         another number of processes or batch size resumes at the same place in the data.
+        Between ``load_state_dict`` and the next ``iter()`` it is the state loaded, as given.
         """
+        if self._loaded is not None:
+            return dict(self._loaded)
         state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
         if self._epoch_rng is not None:
             state["epoch_rng"] = self._every_rank(self._epoch_rng)
@@ -301,6 +313,7 @@ class RigDataLoader:
         the resume starts at that batch and warns how many samples are seen again.
         """
         epoch, seen = int(state["epoch"]), int(state["batches_seen"])
+        self._loaded, self._seen_again = dict(state), None
         self.seed = int(state.get("seed", self.seed))
         rngs = state.get("epoch_rng")
         rank, world = (0, 1) if self.strategy is None else (self.strategy.global_rank, self.strategy.world_size)
@@ -336,12 +349,11 @@ class RigDataLoader:
         skip, again = divmod(samples, per_step)
         if again and skip < len(self.loader):
             saved_replicas, saved_batch = state.get("num_replicas", "?"), state.get("batch_size", "?")
-            warnings.warn(
+            self._seen_again = (
                 f"the checkpoint's dataloader stopped {samples} samples into epoch {epoch} "
                 f"(saved with num_replicas={saved_replicas} x batch_size={saved_batch}); this run takes "
                 f"{per_step} samples per step (num_replicas={replicas} x batch_size={batch_size}) and "
                 f"{samples} is not a multiple of {per_step}, so it resumes at sample {skip * per_step} "
-                f"and {again} samples will be seen again",
-                stacklevel=3,
+                f"and {again} samples will be seen again"
             )
         return epoch, skip

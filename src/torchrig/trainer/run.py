@@ -56,6 +56,11 @@ class RunState:
         #: Make the fit's training and validation loaders again (``reload_dataloaders_every_n_epochs``).
         self.reload_sources: tuple[Callable[[], Any], Callable[[], list[Any]]] | None = None
         self.eval_loaders: dict[str, list[Any]] = {"validate": [], "test": [], "predict": []}
+        #: The run's datamodule, if any, and whether the fit's training loader was given to ``fit``
+        #: (not asked of a ``train_dataloader()``, so changing a batch size cannot remake it).
+        self.datamodule: Any = None
+        self.train_given = False
+        self.eval_given = False  # the same for a validate/test/predict run's loaders
         self.train_metrics = MetricStore(device=rig.device, rig=rig)
         self.eval_metrics = MetricStore(device=rig.device, rig=rig)
         #: Where ``self.log`` writes now: set for a block by :meth:`log_into`.

@@ -55,8 +55,8 @@ def run_fit_stage(
         # Asked for after configure_optimizers (Lightning's order), or inside it when it reads
         # trainer.estimated_stepping_batches (sizing a OneCycle or warm-up schedule).
         tr.run.pending_train = lambda: _train_loader(tr, module, datamodule, train)
-        custom = overrides(module, TrainingModule, "lr_scheduler_step")
-        optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers(), custom)
+        tr.run.datamodule, tr.run.train_given = datamodule, train is not None
+        configure_optimizers(tr, module)
         tr.run.ensure_train_loader()
         given_val = val
         val = _loaders_of(module, datamodule, given_val, "val_dataloader")
@@ -66,8 +66,6 @@ def run_fit_stage(
                 tr, _loaders_of(module, datamodule, given_val, "val_dataloader"), "val_dataloaders"
             ),
         )
-        out = tr.rig.prepare(*optimizers)
-        tr.optimizers = list(out) if isinstance(out, tuple) else [out]
         tr.run.check_training_batches()
         tr.run.eval_loaders["validate"] = _prepare_loaders(tr, val, "val_dataloaders")
         tr.fit_state, tr.should_stop, tr.run.resumed, tr.run.resumed_from = loops.FitState(), False, False, None
@@ -120,6 +118,7 @@ def run_eval_stage(
     try:
         setup(tr, module, datamodule, stage)
         prepared = prepare_module(tr, module)
+        tr.run.datamodule, tr.run.eval_given = datamodule, loaders is not None
         loaders = _loaders_of(module, datamodule, loaders, _LOADER_METHODS[stage])
         if loaders is None:
             raise ValueError(
@@ -339,6 +338,49 @@ def prepare_module(tr: Trainer, module: TrainingModule) -> RigModule:
         given = module if tr.run.compiled is None else tr.run.compiled  # a compiled module: compiled again
         tr.run.prepared_module = tr.rig.prepare(given)
     return tr.run.prepared_module
+
+
+def configure_optimizers(tr: Trainer, module: TrainingModule) -> None:
+    """The fit's optimizers and schedulers from ``configure_optimizers()``, prepared."""
+    custom = overrides(module, TrainingModule, "lr_scheduler_step")
+    optimizers, tr.lr_scheduler_configs = parse_optimizers(module.configure_optimizers(), custom)
+    out = tr.rig.prepare(*optimizers)
+    tr.optimizers = list(out) if isinstance(out, tuple) else [out]
+
+
+def remake_fit_setup(tr: Trainer, *, loaders: bool, optimizers: bool) -> None:
+    """At the fit's start (``on_fit_start``), after a tuner changed what the loaders or the
+    optimizers are made from (a batch size, a learning rate): with ``loaders``, ask the
+    datamodule (or module) for the fit's loaders again; with ``optimizers``,
+    ``configure_optimizers()`` again; so the fit runs as one given the new values from the start.
+
+    The new loaders take the old ones' place and shuffle seed (no draw from torch's RNG), so a
+    resumed fit continues at the checkpoint's position, converted to the new batch size. On
+    resume keep ``optimizers=False``: their state, loaded from the checkpoint, is the fit's.
+    """
+    run = tr.run
+    if loaders:
+        old_train, old_val = run.train_loader, run.eval_loaders["validate"]
+        with torch.random.fork_rng(devices=[]):  # the seeds drawn here are replaced by the old ones
+            run.reload_loaders()
+        pairs = [(old_train, run.train_loader), *zip(old_val, run.eval_loaders["validate"], strict=False)]
+        for old, new in pairs:
+            if isinstance(old, RigDataLoader) and isinstance(new, RigDataLoader) and old is not new:
+                new.load_state_dict(old.state_dict())
+        if run.resumed:
+            _align_batch_index(tr)
+        run.check_training_batches()
+    if optimizers:
+        configure_optimizers(tr, run.require_module())
+
+
+def remake_eval_loaders(tr: Trainer, stage: str) -> None:
+    """At the start of a validate/test/predict run (``on_test_start``...), after a tuner changed
+    the batch size: ask the datamodule (or module) for the stage's loaders again; the loop runs
+    the new ones (replaced in place in the run's list)."""
+    module = tr.run.require_module()
+    loaders = _loaders_of(module, tr.run.datamodule, None, _LOADER_METHODS[stage])
+    tr.run.eval_loaders[stage][:] = _prepare_loaders(tr, loaders, "dataloaders")
 
 
 def _train_loader(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, given: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Tuning tools: the learning-rate finder.
+"""The learning-rate finder.
 
 ``lr_find`` trains a module for ``num_training`` optimizer steps while the learning rate grows
 exponentially from ``min_lr`` to ``max_lr``, records the loss at each step, and puts everything
@@ -21,16 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import torch
-from torch.utils.data import DataLoader
-
 from torchrig import arguments
 from torchrig.checkpoint.rng import capture_rng, restore_rng
-from torchrig.data import RigDataLoader
-from torchrig.trainer import loops, stages
-from torchrig.trainer.metrics import MetricStore
+from torchrig.trainer import stages
 from torchrig.trainer.module import TrainingModule, parse_optimizers
-from torchrig.wrappers import RigOptimizer
+from torchrig.tune.sweep import Restored, cycled, one_optimizer, sweep_loader, train_batch
 
 if TYPE_CHECKING:
     from torchrig.trainer.datamodule import DataModule
@@ -184,16 +179,16 @@ def lr_find(
     Returns:
         An :class:`LRFinderResult` (``lrs``, ``losses``, ``suggestion()``, ``plot(path)``).
     """
-    _check_args(min_lr, max_lr, num_training, early_stop_threshold)
+    check_args(min_lr, max_lr, num_training, early_stop_threshold)
     if not isinstance(module, TrainingModule):
         raise TypeError(f"lr_find() takes a torchrig.TrainingModule, got {type(module).__name__}")
-    sweep = _Sweep(float(min_lr), float(max_lr), int(num_training), early_stop_threshold)
+    sweep = Sweep(float(min_lr), float(max_lr), int(num_training), early_stop_threshold)
     found = stages.launch(trainer, _run_lr_find, module, module, train_dataloaders, datamodule, sweep)
     return cast(LRFinderResult, found)
 
 
 @dataclass
-class _Sweep:
+class Sweep:
     min_lr: float
     max_lr: float
     num_training: int
@@ -203,7 +198,7 @@ class _Sweep:
         return self.min_lr * (self.max_lr / self.min_lr) ** (i / (self.num_training - 1))
 
 
-def _check_args(min_lr: Any, max_lr: Any, num_training: Any, threshold: Any) -> None:
+def check_args(min_lr: Any, max_lr: Any, num_training: Any, threshold: Any) -> None:
     for name, value in (("min_lr", min_lr), ("max_lr", max_lr)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a finite number > 0")
@@ -220,13 +215,9 @@ def _check_args(min_lr: Any, max_lr: Any, num_training: Any, threshold: Any) -> 
 
 
 def _run_lr_find(
-    tr: Trainer, module: TrainingModule, train: Any, datamodule: DataModule | None, sweep: _Sweep
+    tr: Trainer, module: TrainingModule, train: Any, datamodule: DataModule | None, sweep: Sweep
 ) -> LRFinderResult:
     """What each process runs (through ``stages.launch``, so spawned strategies work too)."""
-    if not module.automatic_optimization:
-        raise ValueError(
-            f"lr_find() steps the optimizer itself, but {type(module).__name__} sets automatic_optimization = False"
-        )
     rng = capture_rng(tr.rig.device)  # the state a later fit starts from, put back at the end
     stages.begin(tr, module, "fit")
     try:
@@ -239,107 +230,35 @@ def _run_lr_find(
             )
         prepared = stages.prepare_module(tr, module)
         optimizers, _ = parse_optimizers(module.configure_optimizers())
-        if len(optimizers) != 1:
-            raise ValueError(
-                "lr_find() sweeps the learning rate of one optimizer; configure_optimizers() returned "
-                f"{len(optimizers)}"
-            )
+        one_optimizer("lr_find()", module, optimizers)
         # The optimizer is this sweep's own (the fit builds another from configure_optimizers()).
         # The loader is set up for the sweep only, not registered as prepared: the fit prepares
         # the same DataLoader (drawing its shuffle seed) as if the sweep never ran.
-        loader = _sweep_loader(tr, train)
-        with _Restored(tr, prepared, optimizers[0], loader):
-            optimizer = cast(RigOptimizer, tr.rig.prepare(optimizers[0]))
-            return _sweep_loop(tr, prepared, optimizer, loader, sweep)
+        return run_sweep(tr, prepared, tr.rig.prepare(optimizers[0]), train, sweep)
     finally:
         stages.teardown(tr, module, datamodule, "fit")
         restore_rng(rng, tr.rig.device)
 
 
-def _sweep_loader(tr: Trainer, train: Any) -> RigDataLoader:
-    """The training data on the Rig's device and processes, for the sweep only (a prepared
-    loader as it is: its position is put back afterwards)."""
-    if isinstance(train, RigDataLoader):
-        return train
-    if not isinstance(train, DataLoader):
-        raise TypeError(f"train_dataloaders must be a torch.utils.data.DataLoader; got {type(train).__name__}")
-    return tr.rig.setup_dataloader(train)
+def run_sweep(tr: Trainer, prepared: Any, optimizer: Any, loader: Any, sweep: Sweep) -> LRFinderResult:
+    """The sweep on a module and optimizer the Trainer's Rig prepared (``loader``: a prepared
+    training loader, or a DataLoader set up for the sweep only); everything is put back after it."""
+    loader = sweep_loader(tr, loader)
+    with Restored(tr, prepared, optimizer, loader):
+        return _sweep_loop(tr, prepared, optimizer, loader, sweep)
 
 
-class _Restored:
-    """Puts the module's tensors, the optimizer, the precision, the loader's position and where
-    logged values go back as they were when the block was entered."""
-
-    def __init__(
-        self, tr: Trainer, prepared: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: RigDataLoader
-    ) -> None:
-        self.tr, self.module, self.optimizer, self.loader = tr, prepared, optimizer, loader
-
-    def __enter__(self) -> None:
-        tr = self.tr
-        # keep_vars: the live tensors (DTensor shards under FSDP), copied back in place.
-        self.tensors = list(self.module.state_dict(keep_vars=True).values())
-        self.saved = [t.detach().clone() for t in self.tensors]
-        self.optimizer_state = _deep_clone(self.optimizer.state_dict())
-        self.precision_state = _deep_clone(tr.rig.precision.state_dict())
-        self.position = vars(self.loader).copy()
-        self.modes = [(m, m.training) for m in self.module.modules()]
-        self.sink = tr.run.log_into(MetricStore(device=tr.rig.device, rig=tr.rig), in_step=True)
-        self.sink.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        tr = self.tr
-        with torch.no_grad():
-            for live, saved in zip(self.tensors, self.saved, strict=True):
-                live.copy_(saved)
-        for p in self.module.parameters():
-            p.grad = None
-        self.optimizer.load_state_dict(self.optimizer_state)
-        tr.rig.precision.load_state_dict(self.precision_state)
-        vars(self.loader).update(self.position)
-        for m, mode in self.modes:
-            m.training = mode
-        self.sink.__exit__(*exc)
-
-
-def _deep_clone(state: Any) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: _deep_clone(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_deep_clone(v) for v in state]
-    return state
-
-
-def _sweep_loop(tr: Trainer, prepared: Any, optimizer: RigOptimizer, loader: Any, sweep: _Sweep) -> LRFinderResult:
+def _sweep_loop(tr: Trainer, prepared: Any, optimizer: Any, loader: Any, sweep: Sweep) -> LRFinderResult:
     rig = tr.rig
-    training_step = prepared.step_caller(prepared.module.training_step)
-    backward, step, zero_grad = rig.backward, optimizer.step, optimizer.zero_grad
     result = LRFinderResult(lrs=[], losses=[])
     smoother, best = _Smoother(), math.inf
     prepared.train()
-    batches = iter(loader)
+    batches = cycled(loader, "lr_find()")
     for i in range(sweep.num_training):
-        try:
-            batch = next(batches)
-        except StopIteration:  # cycle through the data as often as the sweep needs
-            batches = iter(loader)
-            try:
-                batch = next(batches)
-            except StopIteration:
-                raise ValueError("lr_find(): train_dataloaders gave no batch") from None
         lr = sweep.lr(i)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = loops.loss_of(training_step(batch, i))
-        if loss is None:
-            raise ValueError(f"lr_find(): training_step returned None for batch {i}; it must return a loss")
-        backward(loss)
-        if tr.gradient_clip_val is not None:
-            tr.run.clip_gradients(prepared, [optimizer])
-        step()
-        zero_grad()
+        loss = train_batch(tr, prepared, optimizer, next(batches), i, who="lr_find()")
         # One host sync per step (the finder's early stop must be decided alike on every rank).
         value = float(rig.all_reduce(loss.detach().float(), "mean") if rig.world_size > 1 else loss.detach())
         smoothed = smoother.add(value)
