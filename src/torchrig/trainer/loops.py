@@ -303,9 +303,11 @@ class Run(StepHooks):
         if not prepared.module.automatic_optimization:
             return self.manual_batch_runner()
         rig, state, optimizers = tr.rig, tr.fit_state, list(tr.optimizers)
-        training_step = prepared.step_caller(self.require_module().training_step)
+        training_step = rig.strategy.step_caller(prepared, self.require_module().training_step)
         # Rig's public API, as a hand-written loop uses it; bound once per epoch, not per batch.
-        backward, steps = rig.backward, [o.step for o in optimizers]
+        # Under pipeline parallel the schedule runs the backward inside training_step (forward_loss).
+        pipelined = rig.strategy.pipeline(prepared) is not None
+        backward, steps = rig.backward if not pipelined else _backward_ran, [o.step for o in optimizers]
         zeros: list[Callable[..., Any]] = [o.zero_grad for o in optimizers]
         clip, schedulers, log_step = self.clip_gradients, self.step_schedulers, self.log_step
         profiler = tr.profiler
@@ -320,6 +322,8 @@ class Run(StepHooks):
         backward, steps, zeros, clip, clips_always = self.overridden_step(optimizers, backward, steps, zeros, clip)
         backward, zeros = self.hooked_backward(backward), self.hooked_zero_grads(optimizers, zeros)
         before_step = [partial(h, o) for o in optimizers for h in self.hooks("on_before_optimizer_step")]
+        if pipelined:  # the gradients are zeroed before training_step, whose schedule adds to them
+            training_step, zeros = _zeroing_first(training_step, zeros, tr), []
 
         # Token-weighted steps (a dict with "num_items"): the window's count and the gradient scaling.
         items = ItemWindow(rig.world_size, rig.device, optimizers)
@@ -521,7 +525,8 @@ class Run(StepHooks):
         assert prepared is not None
         if n <= 0:
             return
-        call, with_idx = prepared.step_caller(method), idx is not None and _takes_loader_index(method)
+        call = self.trainer.rig.strategy.step_caller(prepared, method)
+        with_idx = idx is not None and _takes_loader_index(method)
         hook = _HOOK_STAGE[stage]
         start, end = self.hooks(f"on_{hook}_batch_start"), self.hooks(f"on_{hook}_batch_end")
         eval_end, extra = self.hooks("on_eval_batch_end"), () if idx is None else (idx,)
@@ -560,7 +565,7 @@ class Run(StepHooks):
             for idx, loader in enumerate(loaders):
                 n = num_batches(loader, tr.limit_predict_batches)
                 outputs: list[Any] = []
-                predict_step = prepared.step_caller(prepared.module.predict_step)
+                predict_step = tr.rig.strategy.step_caller(prepared, self.require_module().predict_step)
                 indices = batch_indices(loader) if track else None
                 self.predict_dataloader_idx = idx
                 extra = (idx,) if len(loaders) > 1 else ()
@@ -585,6 +590,32 @@ class Run(StepHooks):
         if not keep:
             return None
         return results[0] if len(results) == 1 else results
+
+
+def _backward_ran(loss: torch.Tensor) -> None:
+    """The backward under pipeline parallel: the schedule has run it inside ``training_step``
+    (:meth:`TrainingModule.forward_loss`); a loss that still has a graph would lose its backward."""
+    if loss.requires_grad:
+        raise RuntimeError(
+            "training_step returned a loss that still needs a backward, but under pipeline_parallel the schedule "
+            "runs the backward inside training_step: compute the loss with loss = self.forward_loss(loss_fn, x, "
+            "target=y) and put every term of it (a regulariser too) in loss_fn"
+        )
+
+
+def _zeroing_first(
+    training_step: Callable[..., Any], zeros: list[Callable[..., Any]], trainer: Any
+) -> Callable[..., Any]:
+    """``training_step`` with the gradients zeroed before the first batch of each accumulation window
+    (under pipeline parallel its schedule runs the backward, so zeroing after it would lose them)."""
+
+    def call(batch: Any, batch_idx: int) -> Any:
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            for zero_grad in zeros:
+                zero_grad()
+        return training_step(batch, batch_idx)
+
+    return call
 
 
 def batch_indices(loader: Any) -> list[list[int]] | None:
