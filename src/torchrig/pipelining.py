@@ -265,9 +265,12 @@ class Pipeline:
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stage_indices
 
-    def _build(self, microbatches: int, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device) -> Any:
-        """A schedule over new ``PipelineStage`` objects for this rank's stages (a stage infers the
-        shapes it sends and receives at its first step, so each schedule gets its own)."""
+    def _build(
+        self, microbatches: int, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, cls: Any = None
+    ) -> Any:
+        """A schedule (``cls``, default :attr:`schedule_cls`) over new ``PipelineStage`` objects for this
+        rank's stages (a stage infers the shapes it sends and receives at its first step, so each
+        schedule gets its own)."""
         from torch.distributed.pipelining import PipelineStage
 
         stages = [
@@ -275,7 +278,7 @@ class Pipeline:
             for module, index in zip(self.stage_modules, self.stage_indices, strict=True)
         ]
         stage = stages[0] if stages_per_rank(self.schedule_cls) == 1 else stages
-        return self.schedule_cls(stage, microbatches, loss_fn=loss_fn, scale_grads=False)
+        return (cls or self.schedule_cls)(stage, microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def schedule(self, loss_fn: Callable[..., torch.Tensor], device: torch.device) -> Any:
         """The schedule over this rank's stages with ``loss_fn(output, target)`` (built once per loss function)."""
@@ -322,12 +325,36 @@ class Pipeline:
         dist.broadcast(loss, group=self.group, group_src=self.last_rank)
         return loss
 
+    def _forward_schedule(self, batch: int, device: torch.device) -> Any:
+        """A forward-only schedule for batches of ``batch`` samples: in the most microbatches, up to
+        ``microbatches``, that divide it and that the schedule takes, else in the fewest above. With one
+        stage per rank every schedule runs the forwards in order, so GPipe runs them (1F1B would
+        want at least as many microbatches as stages); the multi-stage schedules have their own
+        rules (the interleaved one, a multiple of the ranks)."""
+        from torch.distributed.pipelining import ScheduleGPipe
+
+        cls = ScheduleGPipe if stages_per_rank(self.schedule_cls) == 1 else self.schedule_cls
+        divisors = [n for n in range(1, batch + 1) if batch % n == 0]
+        most = self.microbatches
+        tried = [n for n in reversed(divisors) if n <= most] + [n for n in divisors if n > most]
+        refusals = []
+        for count in tried:
+            try:
+                return self._build(count, None, device, cls)
+            except ValueError as err:  # the schedule's own check of the microbatch count
+                refusals.append(str(err))
+        raise ValueError(
+            f"pipeline_parallel: a batch of {batch} samples splits into {', '.join(map(str, divisors))} equal "
+            f"microbatches, none of which {cls.__name__} takes ({refusals[-1]}); use an evaluation "
+            f"batch size divisible by {self.microbatches} (pp_microbatches)"
+        )
+
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> torch.Tensor:
         """The whole model's output for ``args`` through a forward-only schedule (no gradients), on
         every pipeline rank: merged from the microbatches on the last stage, then broadcast.
 
-        The batch is cut into the most microbatches, up to ``microbatches``, that divide it evenly
-        (a smaller last batch gets fewer); each batch shape has a schedule of its own."""
+        The batch is cut into equal microbatches (:meth:`_forward_schedule`: a smaller last batch
+        gets fewer); each batch shape has a schedule of its own."""
         import torch.distributed as dist
 
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -339,9 +366,7 @@ class Pipeline:
         shapes = tuple(tuple(t.shape) for t in tensors)
         schedule = self._forward.get(shapes)
         if schedule is None:
-            batch = tensors[0].shape[0]
-            count = max(n for n in range(1, min(self.microbatches, batch) + 1) if batch % n == 0)
-            schedule = self._forward[shapes] = self._build(count, None, device)
+            schedule = self._forward[shapes] = self._forward_schedule(tensors[0].shape[0], device)
         self.running = True
         try:
             out = schedule.eval(*args, **kwargs) if self.has_first_stage else schedule.eval()

@@ -3,7 +3,7 @@
 ``scripts/pipeline_fit.py`` fits a TrainingModule around the demo transformer (4 blocks) for 4
 steps (validating every 2, clipping, a CSV logger, a ThroughputMonitor, a checkpoint every 2
 steps), then validates, tests and predicts; every result is compared with the same run in one
-process.
+process. ``pp=2 x dp_shard=2`` runs on 4 processes, the others on 2.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ SCRIPT = str(SCRIPTS / "pipeline_fit.py")
 
 def launch(root: Path, *args: str) -> dict[str, Any]:
     out = root / "result.pt"
-    proc = run([SCRIPT, str(root), str(out), "--devices", "2", "--pp", "2", *args], timeout=110)
+    proc = run([SCRIPT, str(root), str(out), "--devices", "2", "--pp", "2", *args], timeout=140)
     assert proc.returncode == 0, explain(proc)
     result: dict[str, Any] = torch.load(out)
     result["rank1"] = torch.load(f"{out}.rank1")
@@ -118,3 +118,19 @@ def test_accumulated_steps_on_two_stages_match_one_process(tmp_path: Path) -> No
     want = reference(tmp_path / "one", accumulate=2, steps=2)
     assert_close(logged(got, "train_loss"), logged(want, "train_loss"))
     assert_same_weights(got["weights"], want["weights"])
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_times_fsdp_on_four_processes_fits_evaluates_and_predicts_like_one(
+    one_process: dict[str, Any], tmp_path: Path
+) -> None:
+    # pp=2 x dp_shard=2: each stage sharded by FSDP2 over 2 ranks, each reading half of every batch
+    got = launch(tmp_path, "--devices", "4")
+    assert_close(logged(got, "train_loss"), logged(one_process, "train_loss"))  # sync_dist: the global mean
+    assert_close(logged(got, "val_loss"), logged(one_process, "val_loss"))
+    assert_same_weights(got["weights"], one_process["weights"])
+    assert got["test"][0]["test_acc"] == pytest.approx(one_process["test"][0]["test_acc"], abs=1e-6)
+    # half of each batch on each data-parallel rank, gathered back into dataset order once
+    assert all(torch.equal(a, b) for a, b in zip(got["predict"], one_process["predict"], strict=True))
+    values = got["throughput"]  # two data-parallel ranks: twice one rank's samples/s
+    assert values["throughput/samples_per_sec"] == pytest.approx(2 * values["throughput/samples_per_sec_per_device"])

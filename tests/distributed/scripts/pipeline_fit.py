@@ -4,6 +4,9 @@ validated, tested and predicted, its checkpoints saved every 2 steps.
     python pipeline_fit.py ROOT OUT [--devices 2 --pp 2 --schedule 1F1B] [--steps 4] [--accumulate 1]
         [--resume CKPT]
 
+With more devices than stages the rest shard each stage with FSDP2 (``--devices 4 --pp 2``:
+pp=2 x dp_shard=2), each data-parallel rank reading its part of the same global batches.
+
 Rank 0 writes OUT (``torch.save``): the final full weights, the rows the CSV logger wrote, the
 results of ``validate`` and ``test``, the predictions and the ThroughputMonitor's last values.
 Every rank writes what its ``callback_metrics`` held after the fit to ``OUT.rank<R>``. Importable
@@ -50,17 +53,17 @@ class LM(torchrig.TrainingModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self.forward_loss(next_token_loss, x, target=y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)  # the mean over data-parallel ranks (pp x dp_shard)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", self.forward_loss(next_token_loss, x, target=y), batch_size=len(x))
+        self.log("val_loss", self.forward_loss(next_token_loss, x, target=y), batch_size=len(x), sync_dist=True)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         logits = self(x)  # the whole model's output, on every rank
-        self.log("test_acc", (logits.argmax(-1) == y).float().mean(), batch_size=len(x))
+        self.log("test_acc", (logits.argmax(-1) == y).float().mean(), batch_size=len(x), sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0]).argmax(-1)
@@ -101,8 +104,9 @@ def run(
         default_root_dir=root,
     )
     module = LM()
-    train = DataLoader(data(4 * BATCH, 123), batch_size=BATCH)
-    held_out = DataLoader(data(BATCH + 2, 7), batch_size=BATCH)  # batches of 8 and 2 samples
+    per_rank = BATCH // trainer.rig.strategy.data_parallel_size  # the same global batches on every layout
+    train = DataLoader(data(4 * BATCH, 123), batch_size=per_rank)
+    held_out = DataLoader(data(BATCH + 2, 7), batch_size=per_rank)  # batches of 8 and 2 samples (in one process)
     trainer.fit(module, train, held_out, ckpt_path=resume)
     fitted = {k: float(v) for k, v in trainer.callback_metrics.items()}
     weights = trainer.rig.strategy.module_state_dict(module)
