@@ -134,3 +134,14 @@ def test_pipeline_times_fsdp_on_four_processes_fits_evaluates_and_predicts_like_
     assert all(torch.equal(a, b) for a, b in zip(got["predict"], one_process["predict"], strict=True))
     values = got["throughput"]  # two data-parallel ranks: twice one rank's samples/s
     assert values["throughput/samples_per_sec"] == pytest.approx(2 * values["throughput/samples_per_sec_per_device"])
+
+
+@pytest.mark.timeout(120)
+def test_manual_optimization_under_pipeline_parallel_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "result.pt"
+    proc = run([SCRIPT, str(tmp_path), str(out), "--devices", "2", "--pp", "2", "--manual"], timeout=110)
+    assert proc.returncode != 0 and not out.exists()
+    assert (
+        "ValueError: LM sets automatic_optimization = False, but under pipeline_parallel the schedule runs each "
+        "step's backward itself (loss = self.forward_loss(loss_fn, x, target=y) in training_step)"
+    ) in proc.stderr, explain(proc)

@@ -411,6 +411,12 @@ class Run(StepHooks):
         if module.automatic_optimization:
             return
         name = type(module).__name__
+        if tr.rig.strategy.pipeline(module) is not None:
+            raise ValueError(
+                f"{name} sets automatic_optimization = False, but under pipeline_parallel the schedule runs each "
+                "step's backward itself (loss = self.forward_loss(loss_fn, x, target=y) in training_step): use "
+                "automatic optimization (remove automatic_optimization = False)"
+            )
         if tr.accumulate_grad_batches != 1:
             raise ValueError(
                 f"Trainer(accumulate_grad_batches={tr.accumulate_grad_batches}) accumulates for the Trainer's own "

@@ -180,12 +180,7 @@ class TrainingModule(nn.Module, ModelHooks):
 
         if pipeline_of(self) is None or not torch.is_grad_enabled():
             return loss_fn(self(*args), target)
-        trainer = self.trainer
-        if not self.automatic_optimization:
-            raise RuntimeError(
-                f"{type(self).__name__}.forward_loss() under pipeline_parallel runs the backward in the schedule, "
-                "for the Trainer's automatic optimization: set automatic_optimization = True"
-            )
+        trainer = self.trainer  # (manual optimization under pipeline_parallel is refused when the fit starts)
         prepared = trainer.run.prepared_module
         assert prepared is not None
         divisor = trainer.accumulate_grad_batches

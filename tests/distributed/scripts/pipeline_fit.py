@@ -2,7 +2,7 @@
 validated, tested and predicted, its checkpoints saved every 2 steps.
 
     python pipeline_fit.py ROOT OUT [--devices 2 --pp 2 --schedule 1F1B] [--steps 4] [--accumulate 1]
-        [--resume CKPT]
+        [--resume CKPT] [--manual]
 
 With more devices than stages the rest shard each stage with FSDP2 (``--devices 4 --pp 2``:
 pp=2 x dp_shard=2), each data-parallel rank reading its part of the same global batches.
@@ -42,8 +42,9 @@ def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class LM(torchrig.TrainingModule):
-    def __init__(self) -> None:
+    def __init__(self, manual: bool = False) -> None:
         super().__init__()
+        self.automatic_optimization = not manual
         torch.manual_seed(0)
         self.net = Transformer(vocab=64, dim=32, layers=4, heads=4)
 
@@ -81,6 +82,7 @@ def run(
     steps: int = 4,
     accumulate: int = 1,
     resume: str | None = None,
+    manual: bool = False,
 ) -> tuple[dict[str, Any], torchrig.Trainer]:
     strategy: Any = torchrig.ModelParallelStrategy(pipeline_parallel=pp, pp_schedule=schedule) if pp > 1 else "single"
     logger = torchrig.CSVLogger(root_dir=root, version=0, flush_every_n_steps=1)
@@ -103,7 +105,7 @@ def run(
         num_sanity_val_steps=0,
         default_root_dir=root,
     )
-    module = LM()
+    module = LM(manual)
     per_rank = BATCH // trainer.rig.strategy.data_parallel_size  # the same global batches on every layout
     train = DataLoader(data(4 * BATCH, 123), batch_size=per_rank)
     held_out = DataLoader(data(BATCH + 2, 7), batch_size=per_rank)  # batches of 8 and 2 samples (in one process)
@@ -137,6 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--manual", action="store_true", help="automatic_optimization = False (refused)")
     args = vars(parser.parse_args())
     out = args.pop("out")
     result, trainer = run(**args)  # the options are run's keywords
