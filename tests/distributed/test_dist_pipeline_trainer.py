@@ -137,11 +137,24 @@ def test_pipeline_times_fsdp_on_four_processes_fits_evaluates_and_predicts_like_
 
 
 @pytest.mark.timeout(120)
-def test_manual_optimization_under_pipeline_parallel_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flag", "error"),
+    [
+        (
+            "--manual",
+            "ValueError: LM sets automatic_optimization = False, but under pipeline_parallel the schedule runs each "
+            "step's backward itself (loss = self.forward_loss(loss_fn, x, target=y) in training_step)",
+        ),
+        (
+            "--items",
+            "ValueError: training_step returned {'loss': ..., 'num_items': ...}, but under pipeline_parallel the "
+            "schedule averages the microbatches' losses before the Trainer could weight them by their items",
+        ),
+    ],
+)
+def test_steps_the_schedule_cannot_run_are_refused(tmp_path: Path, flag: str, error: str) -> None:
+    # manual optimization (its own backward passes) and token-weighted steps (a count to weight by)
     out = tmp_path / "result.pt"
-    proc = run([SCRIPT, str(tmp_path), str(out), "--devices", "2", "--pp", "2", "--manual"], timeout=110)
+    proc = run([SCRIPT, str(tmp_path), str(out), "--devices", "2", "--pp", "2", flag], timeout=110)
     assert proc.returncode != 0 and not out.exists()
-    assert (
-        "ValueError: LM sets automatic_optimization = False, but under pipeline_parallel the schedule runs each "
-        "step's backward itself (loss = self.forward_loss(loss_fn, x, target=y) in training_step)"
-    ) in proc.stderr, explain(proc)
+    assert error in proc.stderr, explain(proc)

@@ -323,7 +323,7 @@ class Run(StepHooks):
         backward, zeros = self.hooked_backward(backward), self.hooked_zero_grads(optimizers, zeros)
         before_step = [partial(h, o) for o in optimizers for h in self.hooks("on_before_optimizer_step")]
         if pipelined:  # the gradients are zeroed before training_step, whose schedule adds to them
-            training_step, zeros = _zeroing_first(training_step, zeros, tr), []
+            training_step, zeros = _pipelined_step(training_step, zeros, tr), []
 
         # Token-weighted steps (a dict with "num_items"): the window's count and the gradient scaling.
         items = ItemWindow(rig.world_size, rig.device, optimizers)
@@ -609,17 +609,26 @@ def _backward_ran(loss: torch.Tensor) -> None:
         )
 
 
-def _zeroing_first(
+def _pipelined_step(
     training_step: Callable[..., Any], zeros: list[Callable[..., Any]], trainer: Any
 ) -> Callable[..., Any]:
-    """``training_step`` with the gradients zeroed before the first batch of each accumulation window
-    (under pipeline parallel its schedule runs the backward, so zeroing after it would lose them)."""
+    """``training_step`` under pipeline parallel, whose schedule runs the backward: the gradients
+    are zeroed before the first batch of each accumulation window (after it would lose them), and a
+    token-weighted output is refused (the schedule has already averaged the microbatches' losses,
+    which the count's scaling would then weight wrongly)."""
 
     def call(batch: Any, batch_idx: int) -> Any:
         if batch_idx % trainer.accumulate_grad_batches == 0:
             for zero_grad in zeros:
                 zero_grad()
-        return training_step(batch, batch_idx)
+        output = training_step(batch, batch_idx)
+        if type(output) is dict and "num_items" in output:
+            raise ValueError(
+                "training_step returned {'loss': ..., 'num_items': ...}, but under pipeline_parallel the schedule "
+                "averages the microbatches' losses before the Trainer could weight them by their items: return "
+                "the loss of self.forward_loss(loss_fn, x, target=y), with loss_fn giving each microbatch's mean"
+            )
+        return output
 
     return call
 

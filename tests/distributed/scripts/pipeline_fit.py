@@ -2,7 +2,7 @@
 validated, tested and predicted, its checkpoints saved every 2 steps.
 
     python pipeline_fit.py ROOT OUT [--devices 2 --pp 2 --schedule 1F1B] [--steps 4] [--accumulate 1]
-        [--resume CKPT] [--manual]
+        [--resume CKPT] [--manual] [--items]
 
 With more devices than stages the rest shard each stage with FSDP2 (``--devices 4 --pp 2``:
 pp=2 x dp_shard=2), each data-parallel rank reading its part of the same global batches.
@@ -42,9 +42,9 @@ def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class LM(torchrig.TrainingModule):
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, items: bool = False) -> None:
         super().__init__()
-        self.automatic_optimization = not manual
+        self.automatic_optimization, self.items = not manual, items
         torch.manual_seed(0)
         self.net = Transformer(vocab=64, dim=32, layers=4, heads=4)
 
@@ -55,7 +55,7 @@ class LM(torchrig.TrainingModule):
         x, y = batch
         loss = self.forward_loss(next_token_loss, x, target=y)
         self.log("train_loss", loss, sync_dist=True)  # the mean over data-parallel ranks (pp x dp_shard)
-        return loss
+        return {"loss": loss * y.numel(), "num_items": y.numel()} if self.items else loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
@@ -83,6 +83,7 @@ def run(
     accumulate: int = 1,
     resume: str | None = None,
     manual: bool = False,
+    items: bool = False,
 ) -> tuple[dict[str, Any], torchrig.Trainer]:
     strategy: Any = torchrig.ModelParallelStrategy(pipeline_parallel=pp, pp_schedule=schedule) if pp > 1 else "single"
     logger = torchrig.CSVLogger(root_dir=root, version=0, flush_every_n_steps=1)
@@ -105,7 +106,7 @@ def run(
         num_sanity_val_steps=0,
         default_root_dir=root,
     )
-    module = LM(manual)
+    module = LM(manual, items)
     per_rank = BATCH // trainer.rig.strategy.data_parallel_size  # the same global batches on every layout
     train = DataLoader(data(4 * BATCH, 123), batch_size=per_rank)
     held_out = DataLoader(data(BATCH + 2, 7), batch_size=per_rank)  # batches of 8 and 2 samples (in one process)
@@ -140,6 +141,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--manual", action="store_true", help="automatic_optimization = False (refused)")
+    parser.add_argument("--items", action="store_true", help="token-weighted steps (refused)")
     args = vars(parser.parse_args())
     out = args.pop("out")
     result, trainer = run(**args)  # the options are run's keywords
