@@ -73,7 +73,8 @@ def gather_for_metrics(rig: Rig, obj: Any) -> Any:
     Tensors need a batch dimension and the same shape on every rank; 0-dim tensors become a
     ``(world_size,)`` vector. A plain list or tuple of objects (ids, file names, strings) is a batch
     too: it is gathered in the same order as the tensors and loses the same padded duplicates, so
-    ``zip(out["id"], out["pred"])`` pairs every sample correctly. ``None`` stays ``None``; any other
+    ``zip(out["id"], out["pred"])`` pairs every sample correctly. Tensor- and pipeline-parallel
+    peers share their batches, so a batch is taken once per data-parallel rank. ``None`` stays ``None``; any other
     object becomes a list of every rank's value, in rank order (as a 0-dim tensor does). In a single process ``obj``
     comes back unchanged.
 
@@ -83,11 +84,15 @@ def gather_for_metrics(rig: Rig, obj: Any) -> Any:
     world = rig.world_size
     if world == 1:
         return obj
+    # Tensor- and pipeline-parallel peers hold the same batch: a batch is taken from one of each
+    sources = rig.strategy.data_parallel_sources() if rig.strategy.data_parallel_size != world else None
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         stacked = rig.strategy.all_gather(t)  # (world, batch, ...)
         if t.dim() == 0:
             return stacked
+        if sources is not None:
+            stacked = stacked[sources]
         merged = stacked.transpose(0, 1).reshape(-1, *t.shape[1:])
         pad = _padding_of_current_batch(rig, t.shape[0])
         return merged[: merged.shape[0] - pad] if pad else merged
@@ -100,7 +105,7 @@ def gather_for_metrics(rig: Rig, obj: Any) -> Any:
         for i, mine in enumerate(objects):
             values = [rank_objects[i] for rank_objects in per_rank]
             if _is_object_batch(mine):
-                items = _interleave(values)
+                items = _interleave(values if sources is None else [values[r] for r in sources])
                 pad = _padding_of_current_batch(rig, len(mine))
                 items = items[: len(items) - pad] if pad else items
                 merged.append(type(mine)(items))

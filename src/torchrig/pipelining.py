@@ -15,6 +15,10 @@ input next to the embedding (a learned position table).
 The modules that hold parameters outside the blocks go to the first stage when they come before
 the first block (in the order the model registers them), else to the stage of the block before
 them. Modules without parameters (a rotary-embedding table) stay on every stage.
+
+The model cut into stages gets a class of its own (of the same name) whose ``forward`` is its
+stage inside the schedule and, called outside it under ``torch.no_grad()``, the whole model
+through a forward-only schedule (:meth:`Pipeline.forward`), so evaluation code runs unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -188,7 +192,7 @@ def prune(model: nn.Module, split: Split, stages: Sequence[int], *, in_place: bo
     keep = split.owned(stages)
     drop_blocks = {b for group in split.blocks for b in group} - keep
     passthrough = {o for group in split.others for o in group} - keep
-    ancestors = {n.rsplit(".", i)[0] for n in drop_blocks | passthrough for i in range(1, n.count(".") + 1)}
+    ancestors = holders(drop_blocks | passthrough)
 
     def visit(module: nn.Module, prefix: str) -> nn.Module:
         if not in_place:
@@ -205,6 +209,11 @@ def prune(model: nn.Module, split: Split, stages: Sequence[int], *, in_place: bo
         return module
 
     return visit(model, "")
+
+
+def holders(names: set[str]) -> set[str]:
+    """The names of the modules that hold the modules ``names`` (the root, ``""``, left out)."""
+    return {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}
 
 
 def stage_output(module: nn.Module, args: Any, output: Any) -> Any:
@@ -243,6 +252,9 @@ class Pipeline:
     elsewhere: frozenset[str] = frozenset()  # state-dict keys of the whole model that other ranks' stages hold
     _schedule: Any = None
     _loss_fn: Callable[..., torch.Tensor] | None = None
+    _forward: dict[Any, Any] = field(default_factory=dict)  # the forward-only schedules, by input shapes
+    _losses: list[torch.Tensor] = field(default_factory=list)  # the step's losses, unscaled (last stage)
+    _divisor: int = 1  # the step's losses are divided by this too before their backward
     running: bool = False  # inside a schedule's step: the only place a stage's forward may run
 
     @property
@@ -253,46 +265,120 @@ class Pipeline:
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stage_indices
 
+    def _build(
+        self, microbatches: int, loss_fn: Callable[..., torch.Tensor] | None, device: torch.device, cls: Any = None
+    ) -> Any:
+        """A schedule (``cls``, default :attr:`schedule_cls`) over new ``PipelineStage`` objects for this
+        rank's stages (a stage infers the shapes it sends and receives at its first step, so each
+        schedule gets its own)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = [
+            PipelineStage(module, index, self.num_stages, device, group=self.group)
+            for module, index in zip(self.stage_modules, self.stage_indices, strict=True)
+        ]
+        stage = stages[0] if stages_per_rank(self.schedule_cls) == 1 else stages
+        return (cls or self.schedule_cls)(stage, microbatches, loss_fn=loss_fn, scale_grads=False)
+
     def schedule(self, loss_fn: Callable[..., torch.Tensor], device: torch.device) -> Any:
         """The schedule over this rank's stages with ``loss_fn(output, target)`` (built once per loss function)."""
         if self._schedule is None or self._loss_fn is not loss_fn:
-            from torch.distributed.pipelining import PipelineStage
-
-            stages = [
-                PipelineStage(module, index, self.num_stages, device, group=self.group)
-                for module, index in zip(self.stage_modules, self.stage_indices, strict=True)
-            ]
-            one = stages_per_rank(self.schedule_cls) == 1
             microbatches = self.microbatches
 
             def scaled(output: Any, target: Any) -> torch.Tensor:
-                return loss_fn(output, target) / microbatches
+                loss = loss_fn(output, target)
+                self._losses.append(loss.detach())
+                return loss / (microbatches * self._divisor)
 
             # The loss is divided by the microbatches, not the gradients after the step (torch's
             # scale_grads divides every gradient, those of earlier accumulated steps too).
-            stage = stages[0] if one else stages
-            self._schedule = self.schedule_cls(stage, microbatches, loss_fn=scaled, scale_grads=False)
+            self._schedule = self._build(microbatches, scaled, device)
             self._loss_fn = loss_fn
         return self._schedule
 
     def step(
-        self, loss_fn: Callable[..., torch.Tensor], args: tuple[Any, ...], target: Any, device: torch.device
+        self,
+        loss_fn: Callable[..., torch.Tensor],
+        args: tuple[Any, ...],
+        target: Any,
+        device: torch.device,
+        divisor: int = 1,
     ) -> torch.Tensor:
         """Forward and backward of one batch through the schedule; the mean loss over the microbatches,
-        on every pipeline rank (broadcast from the last stage)."""
+        on every pipeline rank (broadcast from the last stage). Each microbatch's loss is divided by
+        ``divisor`` too before its backward (gradient accumulation); the returned mean is not."""
         import torch.distributed as dist
 
-        losses: list[torch.Tensor] = []
         schedule = self.schedule(loss_fn, device)
         inputs = args if self.has_first_stage else ()
-        self.running = True
+        self.running, self._divisor = True, divisor
+        self._losses.clear()
+        counted: list[torch.Tensor] = []
         try:
-            schedule.step(*inputs, target=target if self.has_last_stage else None, losses=losses, return_outputs=False)
+            schedule.step(*inputs, target=target if self.has_last_stage else None, losses=counted, return_outputs=False)
         finally:
-            self.running = False
-        loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=device)
+            self.running, self._divisor = False, 1
+        # The first step also calls the loss function to infer the gradients' shapes, before the
+        # microbatches: the last len(counted) losses are the microbatches'.
+        losses, self._losses = self._losses[len(self._losses) - len(counted) :], []
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
         dist.broadcast(loss, group=self.group, group_src=self.last_rank)
         return loss
+
+    def _forward_schedule(self, batch: int, device: torch.device) -> Any:
+        """A forward-only schedule for batches of ``batch`` samples: in the most microbatches, up to
+        ``microbatches``, that divide it and that the schedule takes, else in the fewest above. With one
+        stage per rank every schedule runs the forwards in order, so GPipe runs them (1F1B would
+        want at least as many microbatches as stages); the multi-stage schedules have their own
+        rules (the interleaved one, a multiple of the ranks)."""
+        from torch.distributed.pipelining import ScheduleGPipe
+
+        cls = ScheduleGPipe if stages_per_rank(self.schedule_cls) == 1 else self.schedule_cls
+        divisors = [n for n in range(1, batch + 1) if batch % n == 0]
+        most = self.microbatches
+        tried = [n for n in reversed(divisors) if n <= most] + [n for n in divisors if n > most]
+        refusals = []
+        for count in tried:
+            try:
+                return self._build(count, None, device, cls)
+            except ValueError as err:  # the schedule's own check of the microbatch count
+                refusals.append(str(err))
+        raise ValueError(
+            f"pipeline_parallel: a batch of {batch} samples splits into {', '.join(map(str, divisors))} equal "
+            f"microbatches, none of which {cls.__name__} takes ({refusals[-1]}); use an evaluation "
+            f"batch size divisible by {self.microbatches} (pp_microbatches)"
+        )
+
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """The whole model's output for ``args`` through a forward-only schedule (no gradients), on
+        every pipeline rank: merged from the microbatches on the last stage, then broadcast.
+
+        The batch is cut into equal microbatches (:meth:`_forward_schedule`: a smaller last batch
+        gets fewer); each batch shape has a schedule of its own."""
+        import torch.distributed as dist
+
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not tensors:
+            raise TypeError(
+                f"pipeline_parallel: the model's input must hold a tensor (split into microbatches along its first "
+                f"dimension); got {', '.join(type(a).__name__ for a in (*args, *kwargs.values())) or 'nothing'}"
+            )
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        schedule = self._forward.get(shapes)
+        if schedule is None:
+            schedule = self._forward[shapes] = self._forward_schedule(tensors[0].shape[0], device)
+        self.running = True
+        try:
+            out = schedule.eval(*args, **kwargs) if self.has_first_stage else schedule.eval()
+        finally:
+            self.running = False
+        # the last stage holds the output: its shape and dtype first, so the other ranks can receive it
+        meta: list[Any] = [(tuple(out.shape), out.dtype) if self.has_last_stage else None]
+        dist.broadcast_object_list(meta, group=self.group, group_src=self.last_rank)
+        shape, dtype = meta[0]
+        result = out.contiguous() if self.has_last_stage else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(result, group=self.group, group_src=self.last_rank)
+        return result
 
 
 def apply_pp(
@@ -336,21 +422,54 @@ def apply_pp(
         elsewhere=frozenset(every_key - set(model.state_dict(keep_vars=True))),
     )
     for module in stage_modules:
-        module.register_forward_pre_hook(functools.partial(_inside_schedule, pipeline))
         module.register_forward_hook(stage_output)
+    # A part of a stage called alone would compute this rank's part of the model and return an
+    # activation, not the model's output: the modules that lost parts refuse outside the schedule,
+    # and the model's own forward runs the schedule (below).
+    cut = (layout.owned(range(num_stages)) - layout.owned(local)) | {b for group in layout.blocks for b in group}
+    for name in sorted(holders(cut) & {n for n, _ in model.named_modules()}):
+        model.get_submodule(name).register_forward_pre_hook(functools.partial(_inside_schedule, pipeline))
+    kind = type(model)
+    model.__class__ = type(kind.__name__, (kind,), {"forward": _pipelined_forward, "__qualname__": kind.__qualname__})
     model.__dict__[_ATTRIBUTE] = pipeline  # found again by pipeline_of (a plain attribute, not a submodule)
     return pipeline
 
 
+def _pipelined_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a model cut into stages: inside the schedule the model's own (this rank's
+    stage); outside it, under ``torch.no_grad()``, the whole model through a forward-only schedule
+    (:meth:`Pipeline.forward`); with gradients on, an error (training goes through ``forward_backward``)."""
+    pipeline = pipeline_of(self)
+    assert pipeline is not None
+    if pipeline.running:
+        return _pipelined_class(self).__bases__[0].forward(self, *args, **kwargs)  # type: ignore[attr-defined]
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{type(self).__name__} is cut into pipeline stages (pipeline_parallel): model(x) with gradients "
+            f"on would run only stage {', '.join(map(str, pipeline.stage_indices))} of {pipeline.num_stages}. "
+            "Train with loss = rig.forward_backward(model, loss_fn, x, target=y) (in a TrainingModule's "
+            "training_step: loss = self.forward_loss(loss_fn, x, target=y)), which runs the whole schedule; "
+            "under torch.no_grad() model(x) runs a forward-only schedule and returns the output on every rank"
+        )
+    device = next((p.device for p in self.parameters()), torch.device("cpu"))
+    return pipeline.forward(args, kwargs, device)
+
+
+def _pipelined_class(module: nn.Module) -> type:
+    """The class :func:`apply_pp` gave ``module`` (FSDP2 may have subclassed it since)."""
+    return next(c for c in type(module).__mro__ if c.__dict__.get("forward") is _pipelined_forward)
+
+
 def _inside_schedule(pipeline: Pipeline, module: nn.Module, args: Any) -> None:
-    """A forward pre-hook: a stage runs only inside the schedule (called alone it would compute this
-    rank's part of the model and return an activation, not the model's output)."""
+    """A forward pre-hook on the modules of a model cut into stages that lost parts: they run only
+    inside the schedule."""
     if not pipeline.running:
         raise RuntimeError(
-            f"{type(module).__name__} is cut into pipeline stages (pipeline_parallel): model(x) would run only "
-            f"stage {', '.join(map(str, pipeline.stage_indices))} of {pipeline.num_stages}. Train with "
-            "loss = rig.forward_backward(model, loss_fn, x, target=y), which runs the whole schedule; evaluation "
-            "through a pipeline is not supported yet"
+            f"{type(module).__name__} is part of a model cut into pipeline stages (pipeline_parallel): called "
+            f"alone it would run only stage {', '.join(map(str, pipeline.stage_indices))} of "
+            f"{pipeline.num_stages}. Call the model itself: under torch.no_grad() model(x) runs the whole "
+            "model through the pipeline; to train, loss = rig.forward_backward(model, loss_fn, x, target=y) "
+            "(in a TrainingModule's training_step: loss = self.forward_loss(loss_fn, x, target=y))"
         )
 
 

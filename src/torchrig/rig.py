@@ -328,7 +328,9 @@ class Rig:
         strategy's pipeline schedule over the batch, split into microbatches, and ``loss_fn`` runs
         on the last stage for each. Returns the loss of the whole batch (the mean over the
         microbatches), detached, the same on every rank. Write the step this way and the loop runs
-        unchanged on one device, DDP, FSDP and pipelines.
+        unchanged on one device, DDP, FSDP and pipelines. (Evaluation needs nothing of the kind:
+        under ``torch.no_grad()`` a pipelined ``model(x)`` runs a forward-only schedule and returns
+        the output on every rank.)
 
         Example:
             >>> import torch, torchrig

@@ -227,3 +227,39 @@ def test_every_style_transformers_registers_is_mapped_or_refused() -> None:
 
     known = set(parallel._styles()) | set(parallel._HF_ONLY)
     assert set(ALL_PARALLEL_STYLES.valid_keys()) - known == set()
+
+
+class _Layout(torchrig.ModelParallelStrategy):
+    """pp=2 x dp_shard=2 x tp=2 on 8 ranks, seen from rank ``rank`` (no process group)."""
+
+    def __init__(self, rank: int = 0) -> None:
+        super().__init__(pipeline_parallel=2, tensor_parallel=2)
+        self.rank = rank
+
+    @property
+    def world_size(self) -> int:
+        return 8
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        # every rank holds its data-parallel rank's batch: ``tensor`` shifted by 100 x that rank
+        return torch.stack([tensor + 100 * _Layout(r).data_parallel_rank for r in range(8)])
+
+
+def test_a_batch_is_gathered_once_per_data_parallel_rank() -> None:
+    from types import SimpleNamespace
+
+    from torchrig.gather import gather_for_metrics
+
+    layout = _Layout()
+    assert layout.data_parallel_size == 2
+    # the first rank of each data-parallel rank: pipeline stage 0, tensor-parallel rank 0
+    assert layout.data_parallel_sources() == [0, 2]
+    assert [_Layout(r).data_parallel_rank for r in layout.data_parallel_sources()] == [0, 1]
+    # the 2 x 2 peers of each data-parallel rank share its batch: it comes back once, interleaved
+    rig = SimpleNamespace(world_size=8, strategy=layout, current_loader=None)
+    out = gather_for_metrics(rig, torch.tensor([1.0, 2.0]))  # type: ignore[arg-type]
+    assert out.tolist() == [1.0, 101.0, 2.0, 102.0]

@@ -154,3 +154,62 @@ def test_a_stage_called_outside_the_schedule_refuses() -> None:
         assert loss.shape == () and all(p.grad is not None for p in whole.parameters())
     finally:
         dist.destroy_process_group()
+
+
+class Outer(nn.Module):
+    """A model around the one cut into stages (as a TrainingModule holds its network)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_the_model_outside_the_schedule_runs_forward_only_and_its_parts_refuse() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        outer = Outer()
+        tokens = torch.randint(0, 64, (4, 5))
+        with torch.no_grad():
+            want = outer(tokens)
+        pipeline = pipelining.apply_pp(outer, init_device_mesh("cpu", (1,), mesh_dim_names=("pp",)), schedule="1F1B")
+        assert type(outer).__name__ == "Outer" and isinstance(outer, Outer)
+        with torch.no_grad():  # a forward-only schedule: 2 microbatches of 2, then 1 of 3 (2 does not divide 3)
+            assert torch.allclose(outer(tokens), want, atol=1e-6)  # microbatches: equal up to rounding
+            assert torch.allclose(outer(tokens[:3]), want[:3], atol=1e-6)
+        assert set(pipeline._forward) == {((4, 5),), ((3, 5),)}  # a schedule per batch shape
+        with pytest.raises(
+            RuntimeError,
+            match=r"Outer is cut into pipeline stages \(pipeline_parallel\): model\(x\) with "
+            r"gradients on would run only stage 0 of 1\. .*self\.forward_loss\(loss_fn, x, target=y\)",
+        ):
+            outer(tokens)
+        # the network inside, called alone, would run this rank's stage only
+        with (
+            torch.no_grad(),
+            pytest.raises(
+                RuntimeError,
+                match=r"Transformer is part of a model cut into pipeline "
+                r"stages \(pipeline_parallel\): called alone it would run only stage 0",
+            ),
+        ):
+            outer.net(tokens)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_loss_with_a_graph_under_pipeline_parallel_is_refused() -> None:
+    from torchrig.trainer.loops import _backward_ran
+
+    _backward_ran(torch.ones(()))  # the schedule's loss: detached, its backward done
+    with pytest.raises(
+        RuntimeError,
+        match=r"training_step returned a loss that still needs a backward, but under "
+        r"pipeline_parallel .* loss = self\.forward_loss\(loss_fn, x, target=y\)",
+    ):
+        _backward_ran(torch.ones((), requires_grad=True) * 2)

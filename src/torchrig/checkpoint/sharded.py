@@ -88,8 +88,29 @@ def split(state: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, Any], 
     return modules, optims, rest
 
 
-def dcp_state(modules: dict[str, nn.Module], optims: dict[str, Any], stateless: frozenset[str]) -> dict[str, Any]:
-    """DCP's state dicts of ``modules`` and ``optims`` (each optimizer through the module it optimizes).
+def _optimizer_options(key: str, nested: frozenset[str]) -> Any:
+    """DCP's options for optimizer ``key``: flat, its hyperparameters per parameter name
+    (``param_groups.<name>.lr``), so every pipeline stage saves and finds its own groups; the
+    optimizers of ``nested`` per group index (``param_groups.0.lr``): those without per-parameter
+    state (DCP's flat form cannot load that) and those of checkpoints saved before the flat form."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=key not in nested)
+
+
+def _nested_in(md: Any, optims: dict[str, Any]) -> frozenset[str]:
+    """The optimizers of ``optims`` that DCP's metadata ``md`` holds per group index (``param_groups.0.params``)."""
+    return frozenset(k for k in optims if f"{k}.param_groups.0.params" in md.state_dict_metadata)
+
+
+def dcp_state(
+    modules: dict[str, nn.Module],
+    optims: dict[str, Any],
+    stateless: frozenset[str],
+    nested: frozenset[str] = frozenset(),
+) -> dict[str, Any]:
+    """DCP's state dicts of ``modules`` and ``optims`` (each optimizer through the module it optimizes;
+    its groups' hyperparameters per parameter name, or per group index for those of ``nested``).
 
     ``stateless`` names the optimizers whose state dict is to hold no per-parameter state: one
     saved before its first step, or loaded from such a checkpoint. DCP's
@@ -100,9 +121,10 @@ def dcp_state(modules: dict[str, nn.Module], optims: dict[str, Any], stateless: 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out: dict[str, Any] = {k: get_model_state_dict(m) for k, m in modules.items()}
+    nested = nested | stateless
     for k, o in optims.items():
         fresh = not o.state
-        out[k] = get_optimizer_state_dict(_owner(modules, o), o)
+        out[k] = get_optimizer_state_dict(_owner(modules, o), o, options=_optimizer_options(k, nested))
         if k in stateless:
             out[k]["state"] = {}
             if fresh:
@@ -351,7 +373,8 @@ def load(
     _compare(md, modules, strict)
     _check_before_dcp(entries, blob, modules, optims, rest, strict=strict)
     wanted = {k: o for k, o in optims.items() if k in entries}
-    shards = dcp_state({k: m for k, m in modules.items() if k in entries}, wanted, _stateless_in(md, wanted))
+    stateless, nested = _stateless_in(md, wanted), _nested_in(md, wanted)
+    shards = dcp_state({k: m for k, m in modules.items() if k in entries}, wanted, stateless, nested)
     with refuse_code(folder):
         dcp.load(shards, storage_reader=checked_reader(folder, md), planner=safe_planner())
     for k, m in modules.items():
@@ -359,7 +382,8 @@ def load(
             set_model_state_dict(m, shards[k])
     for k, o in optims.items():
         if k in shards:
-            set_optimizer_state_dict(_owner(modules, o), o, shards[k])
+            options = _optimizer_options(k, nested | stateless)
+            set_optimizer_state_dict(_owner(modules, o), o, shards[k], options=options)
     return apply_loaded(rig, entries, blob, {}, rest, strict=strict, device=rig.device)
 
 

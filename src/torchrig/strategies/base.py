@@ -18,6 +18,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from torchrig.accelerators.base import Accelerator
+    from torchrig.pipelining import Pipeline
     from torchrig.precision import Precision
     from torchrig.wrappers import RigModule
 
@@ -102,6 +103,10 @@ class Strategy:
         """Which of those batches this process takes (tensor-parallel peers share one)."""
         return self.global_rank
 
+    def data_parallel_sources(self) -> list[int]:
+        """For each data-parallel rank in order, the first global rank that takes its batches."""
+        return list(range(self.world_size))
+
     # -- life cycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
         """Join the process group (if any) and make ``root_device`` current."""
@@ -148,15 +153,43 @@ class Strategy:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type, foreach=None)
 
     def forward_backward(
-        self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tuple[Any, ...], target: Any
+        self,
+        module: nn.Module,
+        loss_fn: Callable[..., torch.Tensor],
+        args: tuple[Any, ...],
+        target: Any,
+        divisor: int = 1,
     ) -> torch.Tensor:
-        """One step's forward and backward: ``loss_fn(module(*args), target)`` and its backward through the
-        precision; returns the loss, detached. A pipeline-parallel strategy runs its schedule instead."""
-        loss = loss_fn(module(*args), target)
+        """One step's forward and backward: ``loss_fn(module(*args), target)`` and the backward of it
+        divided by ``divisor`` (gradient accumulation) through the precision; returns the loss,
+        detached, not divided. A module cut into pipeline stages (:meth:`pipeline`) runs its
+        schedule instead, under the precision's autocast."""
         if self.precision is None:
             raise RuntimeError("the strategy has no precision yet; create the Rig first")
-        self.precision.backward(loss)
+        pipeline = self.pipeline(module)
+        if pipeline is not None:
+            if self.precision.scaler is not None:
+                raise ValueError(
+                    "precision='16-mixed' scales the loss with a GradScaler, which pipeline schedules do not run; "
+                    "use precision='bf16-mixed' with pipeline_parallel"
+                )
+            with self.precision.autocast():
+                return pipeline.step(loss_fn, args, target, self.root_device, divisor)
+        loss = loss_fn(module(*args), target)
+        self.precision.backward(loss / divisor if divisor != 1 else loss)
         return loss.detach()
+
+    def pipeline(self, module: nn.Module) -> Pipeline | None:
+        """The pipeline ``module`` runs through, or None: only ``ModelParallelStrategy(pipeline_parallel=...)``
+        cuts a module into stages."""
+        return None
+
+    def step_caller(self, module: RigModule, method: Callable[..., Any]) -> Callable[..., Any]:
+        """How the Trainer calls ``method`` (``training_step``, ``validation_step``...) once per batch:
+        as the wrapped module's forward (:meth:`RigModule.step_caller`). A pipeline runs each
+        stage's forward inside its schedule (each stage an FSDP root), so there the step is called
+        directly instead."""
+        return module.step_caller(method) if self.pipeline(module) is None else module.direct_caller(method)
 
     def manual_step_caller(self, module: RigModule, method: Callable[..., Any]) -> Callable[..., Any]:
         """How the Trainer calls ``method`` (``training_step``) under manual optimization, where the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -34,8 +33,10 @@ class ModelParallelStrategy(FSDPStrategy):
 
     With ``pipeline_parallel > 1``, ``prepare`` first keeps this rank's stages of the model
     (:func:`torchrig.parallel.apply_pp`: the repeated blocks split evenly, or at ``pp_split``), then
-    splits and shards them as below; a step is ``rig.forward_backward(model, loss_fn, x, target=y)``,
-    which runs the schedule ``pp_schedule`` over the batch in ``pp_microbatches`` pieces.
+    splits and shards them as below; a step is ``rig.forward_backward(model, loss_fn, x, target=y)``
+    (in a ``TrainingModule``'s ``training_step``, ``self.forward_loss(loss_fn, x, target=y)``),
+    which runs the schedule ``pp_schedule`` over the batch in ``pp_microbatches`` pieces; under
+    ``torch.no_grad()`` ``model(x)`` runs a forward-only schedule and returns the output on every rank.
 
     Without ``parallelize``, ``prepare`` splits the modules ``tp_plan`` (or the ``_tp_plan`` of the
     model and its submodules, :func:`torchrig.parallel.collect_tp_plan`) names over ``mesh["tp"]``
@@ -151,6 +152,10 @@ class ModelParallelStrategy(FSDPStrategy):
         # tp is the innermost mesh dimension, pp the outermost
         return (self.global_rank // self.mesh_sizes()[3]) % self.data_parallel_size
 
+    def data_parallel_sources(self) -> list[int]:
+        # the ranks of pipeline stage 0 and tensor-parallel rank 0: global rank = dp rank x tp
+        return [rank * self.mesh_sizes()[3] for rank in range(self.data_parallel_size)]
+
     # -- life cycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
         sizes = self.mesh_sizes()  # bad sizes fail here, before any process starts
@@ -202,20 +207,6 @@ class ModelParallelStrategy(FSDPStrategy):
         from torchrig.strategies.ddp import unwrap_module
 
         return pipeline_of(unwrap_module(module))
-
-    def forward_backward(
-        self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tuple[Any, ...], target: Any
-    ) -> torch.Tensor:
-        pipeline = self.pipeline(module)
-        if pipeline is None:
-            return super().forward_backward(module, loss_fn, args, target)
-        if self.precision is not None and self.precision.scaler is not None:
-            raise ValueError(
-                "precision='16-mixed' scales the loss with a GradScaler, which pipeline schedules do not run; "
-                "use precision='bf16-mixed' with pipeline_parallel"
-            )
-        with self.precision.autocast() if self.precision is not None else contextlib.nullcontext():
-            return pipeline.step(loss_fn, args, target, self.root_device)
 
     def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         pp_group = self.device_mesh["pp"].get_group() if self.pipeline_parallel > 1 else None

@@ -314,9 +314,11 @@ class Run(StepHooks):
         if not prepared.module.automatic_optimization:
             return self.manual_batch_runner()
         rig, state, optimizers = tr.rig, tr.fit_state, list(tr.optimizers)
-        training_step = prepared.step_caller(self.require_module().training_step)
+        training_step = rig.strategy.step_caller(prepared, self.require_module().training_step)
         # Rig's public API, as a hand-written loop uses it; bound once per epoch, not per batch.
-        backward, steps = rig.backward, [o.step for o in optimizers]
+        # Under pipeline parallel the schedule runs the backward inside training_step (forward_loss).
+        pipelined = rig.strategy.pipeline(prepared) is not None
+        backward, steps = rig.backward if not pipelined else _backward_ran, [o.step for o in optimizers]
         zeros: list[Callable[..., Any]] = [o.zero_grad for o in optimizers]
         clip, schedulers, log_step = self.clip_gradients, self.step_schedulers, self.log_step
         profiler = tr.profiler
@@ -331,6 +333,8 @@ class Run(StepHooks):
         backward, steps, zeros, clip, clips_always = self.overridden_step(optimizers, backward, steps, zeros, clip)
         backward, zeros = self.hooked_backward(backward), self.hooked_zero_grads(optimizers, zeros)
         before_step = [partial(h, o) for o in optimizers for h in self.hooks("on_before_optimizer_step")]
+        if pipelined:  # the gradients are zeroed before training_step, whose schedule adds to them
+            training_step, zeros = _pipelined_step(training_step, zeros, tr), []
 
         # Token-weighted steps (a dict with "num_items"): the window's count and the gradient scaling.
         items = ItemWindow(rig.world_size, rig.device, optimizers)
@@ -418,6 +422,12 @@ class Run(StepHooks):
         if module.automatic_optimization:
             return
         name = type(module).__name__
+        if tr.rig.strategy.pipeline(module) is not None:
+            raise ValueError(
+                f"{name} sets automatic_optimization = False, but under pipeline_parallel the schedule runs each "
+                "step's backward itself (loss = self.forward_loss(loss_fn, x, target=y) in training_step): use "
+                "automatic optimization (remove automatic_optimization = False)"
+            )
         if tr.accumulate_grad_batches != 1:
             raise ValueError(
                 f"Trainer(accumulate_grad_batches={tr.accumulate_grad_batches}) accumulates for the Trainer's own "
@@ -532,7 +542,8 @@ class Run(StepHooks):
         assert prepared is not None
         if n <= 0:
             return
-        call, with_idx = prepared.step_caller(method), idx is not None and _takes_loader_index(method)
+        call = self.trainer.rig.strategy.step_caller(prepared, method)
+        with_idx = idx is not None and _takes_loader_index(method)
         hook = _HOOK_STAGE[stage]
         start, end = self.hooks(f"on_{hook}_batch_start"), self.hooks(f"on_{hook}_batch_end")
         eval_end, extra = self.hooks("on_eval_batch_end"), () if idx is None else (idx,)
@@ -571,7 +582,7 @@ class Run(StepHooks):
             for idx, loader in enumerate(loaders):
                 n = num_batches(loader, tr.limit_predict_batches)
                 outputs: list[Any] = []
-                predict_step = prepared.step_caller(prepared.module.predict_step)
+                predict_step = tr.rig.strategy.step_caller(prepared, self.require_module().predict_step)
                 indices = batch_indices(loader) if track else None
                 self.predict_dataloader_idx = idx
                 extra = (idx,) if len(loaders) > 1 else ()
@@ -596,6 +607,41 @@ class Run(StepHooks):
         if not keep:
             return None
         return results[0] if len(results) == 1 else results
+
+
+def _backward_ran(loss: torch.Tensor) -> None:
+    """The backward under pipeline parallel: the schedule has run it inside ``training_step``
+    (:meth:`TrainingModule.forward_loss`); a loss that still has a graph would lose its backward."""
+    if loss.requires_grad:
+        raise RuntimeError(
+            "training_step returned a loss that still needs a backward, but under pipeline_parallel the schedule "
+            "runs the backward inside training_step: compute the loss with loss = self.forward_loss(loss_fn, x, "
+            "target=y) and put every term of it (a regulariser too) in loss_fn"
+        )
+
+
+def _pipelined_step(
+    training_step: Callable[..., Any], zeros: list[Callable[..., Any]], trainer: Any
+) -> Callable[..., Any]:
+    """``training_step`` under pipeline parallel, whose schedule runs the backward: the gradients
+    are zeroed before the first batch of each accumulation window (after it would lose them), and a
+    token-weighted output is refused (the schedule has already averaged the microbatches' losses,
+    which the count's scaling would then weight wrongly)."""
+
+    def call(batch: Any, batch_idx: int) -> Any:
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            for zero_grad in zeros:
+                zero_grad()
+        output = training_step(batch, batch_idx)
+        if type(output) is dict and "num_items" in output:
+            raise ValueError(
+                "training_step returned {'loss': ..., 'num_items': ...}, but under pipeline_parallel the schedule "
+                "averages the microbatches' losses before the Trainer could weight them by their items: return "
+                "the loss of self.forward_loss(loss_fn, x, target=y), with loss_fn giving each microbatch's mean"
+            )
+        return output
+
+    return call
 
 
 def batch_indices(loader: Any) -> list[list[int]] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -156,6 +156,35 @@ class TrainingModule(nn.Module, ModelHooks):
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         """The prediction for one batch; by default ``self(batch)``."""
         return self(batch)
+
+    def forward_loss(self, loss_fn: Callable[..., torch.Tensor], *args: Any, target: Any) -> torch.Tensor:
+        """``loss_fn(self(*args), target)``: the loss of this module's forward on ``args``.
+
+        Write a step's loss this way and ``training_step`` runs unchanged under pipeline parallel
+        (``ModelParallelStrategy(pipeline_parallel=...)``), where no rank holds the whole model:
+        there, in ``training_step``, it runs the schedule over the batch cut into microbatches
+        (``self(*args)`` is each stage's forward; ``loss_fn`` runs on the last stage, once per
+        microbatch) with the backward, and returns the mean loss of the microbatches, detached, the
+        same on every rank (the Trainer then runs no backward of its own). Under ``torch.no_grad()``
+        (validation, test, predict) ``self(*args)`` runs a forward-only schedule and returns the
+        output on every rank, so this is ``loss_fn(self(*args), target)`` everywhere.
+
+        Example:
+            >>> # def training_step(self, batch, batch_idx):
+            >>> #     x, y = batch
+            >>> #     loss = self.forward_loss(torch.nn.functional.cross_entropy, x, target=y)
+            >>> #     self.log("train_loss", loss)
+            >>> #     return loss
+        """
+        from torchrig.pipelining import pipeline_of
+
+        if pipeline_of(self) is None or not torch.is_grad_enabled():
+            return loss_fn(self(*args), target)
+        trainer = self.trainer  # (manual optimization under pipeline_parallel is refused when the fit starts)
+        prepared = trainer.run.prepared_module
+        assert prepared is not None
+        divisor = trainer.accumulate_grad_batches
+        return trainer.rig.strategy.forward_backward(prepared, loss_fn, args, target, divisor)
 
     def configure_optimizers(self) -> Any:
         """An optimizer; a list of optimizers; ``(optimizers, schedulers)``; or a dict

@@ -32,9 +32,11 @@ How it measures, and what each number means:
   ``training_step`` returns ``{"loss": loss_sum, "num_items": n}`` (the Trainer's token-weighted
   form; ``n`` a number or a tensor, a tensor summed on the device and read once per logging step).
 * **Under data parallelism** every rank trains a batch of the same size, so the global samples/s
-  is this rank's times the world size; ``.../samples_per_sec_per_device`` is this rank's. Item
-  counts differ between ranks (padding), so the global items/s sums them across ranks: one
-  all-reduce per logging step, on every rank.
+  is this rank's times the data-parallel ranks (the world size, less the pipeline stages and
+  tensor-parallel peers that share a batch); ``.../samples_per_sec_per_device`` is this rank's.
+  Item counts differ between ranks (padding), so the global items/s sums them across ranks (and
+  divides out the peers sharing a batch): one all-reduce per logging step, on every rank. Under
+  pipeline parallel the FLOPs counted on the first batch are this rank's stages'.
 
 Logged names: ``throughput/samples_per_sec``, ``throughput/samples_per_sec_per_device``,
 ``throughput/items_per_sec``, ``throughput/items_per_sec_per_device``,
@@ -276,10 +278,11 @@ class ThroughputMonitor(Callback):
         now = time.perf_counter()
         seconds = now - self._t0
         world = trainer.world_size
+        replicas = trainer.rig.strategy.data_parallel_size  # pipeline stages, tensor-parallel peers share batches
         values: dict[str, float] = {}
         if seconds > 0 and self._batches:
             if not self._no_samples:
-                values["throughput/samples_per_sec"] = self._samples * world / seconds
+                values["throughput/samples_per_sec"] = self._samples * replicas / seconds
                 values["throughput/samples_per_sec_per_device"] = self._samples / seconds
             if self._items is not None:
                 items = self._items
@@ -289,7 +292,7 @@ class ThroughputMonitor(Callback):
                     device = trainer.rig.device
                     dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
                     count = torch.tensor(local, dtype=dtype, device=device)
-                    total = float(trainer.rig.all_reduce(count, op="sum").item())
+                    total = float(trainer.rig.all_reduce(count, op="sum").item()) * replicas / world
                 values["throughput/items_per_sec"] = total / seconds
                 values["throughput/items_per_sec_per_device"] = local / seconds
             flops = self.flops
