@@ -87,4 +87,7 @@ def test_data_resume_benchmark_measures_every_pipeline() -> None:
     out = _bench("data_resume.py", "--samples", "2000", "--repeats", "2", "--batches", "20", "--markdown")
     for row in ("map-style, shuffled", "iterable, stateful", "iterable, no position (replayed)"):
         assert _ratio(out, row) > 0
-    assert "| 20 batches | rig.prepare(DataLoader) |" in out
+    for workload in ("2 workers, wall clock", "2 workers, this process's CPU", "0 workers, CPU"):
+        assert f"| {workload} | rig.prepare(DataLoader) |" in out
+    assert "| 20 batches | reading one batch ahead |" in out
+    assert "| map-style shuffled, batch 64 | rig.prepare(DataLoader) |" in out
