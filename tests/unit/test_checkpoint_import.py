@@ -138,19 +138,15 @@ def test_lightning_checkpoint_saved_after_the_fit_records_the_epoch_it_trained_l
     its last step trained in, as a Trainer's own end-of-fit save and its name ``epoch=1-...`` do."""
     import lightning as L
 
-    class Module(L.LightningModule):
+    class Module(L.LightningModule):  # Continued's, under Lightning
         def __init__(self) -> None:
             super().__init__()
             self.model = nn.Linear(4, 2)
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.model(x), y)
+        training_step = Continued.training_step
+        configure_optimizers = Continued.configure_optimizers
 
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 2)), batch_size=4)
+    data = DataLoader(peer_data(), batch_size=4)
     trainer = L.Trainer(
         max_epochs=2,
         accelerator="cpu",
