@@ -125,13 +125,20 @@ class MetricBuffer:
         A merged row is a new dict without its rows' left out names (an owned row is not changed)."""
         rows, self.rows = self.rows, []
         out: list[tuple[int, int | None, dict[str, Any], str | None]] = []
+        merged: dict[str, Any] | None = None  # the last merged row's values (ours: updated in place)
         for row in rows:
             if not out or out[-1][0] != row[0]:
                 out.append(row)
                 continue
             step, epoch, values, skip = out[-1]
-            merged = {k: v for k, v in values.items() if k != skip}
-            merged.update((k, v) for k, v in row[2].items() if k != row[3])
+            if values is not merged:
+                merged = dict(values)
+                if skip is not None:
+                    merged.pop(skip, None)
+            new, left_out = row[2], row[3]
+            if left_out is not None and left_out in new:
+                new = {k: v for k, v in new.items() if k != left_out}
+            merged.update(new)
             out[-1] = (step, row[1] if epoch is None else epoch, merged, None)
         return out
 

@@ -65,7 +65,7 @@ class MetricsFile:
         cells = zip(steps, epochs, *(columns.get(c, empty) for c in header[2:]), strict=True)
         lines = [",".join(line) for line in cells]
         keep: int | None = None  # where the file's last line starts, when it is written again merged
-        if self._last is not None and self._last[1]["step"] == steps[0]:
+        if self._last is not None and self._last[1].get("step") == steps[0]:
             keep, old = self._last
             first = {c: old.get(c, "") for c in header}
             first["epoch"] = first["epoch"] or epochs[0]
