@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 import yaml
+from trainer_helpers import Regressor, loader, quiet_trainer
 
 from torchrig.trainer.loggers import (
     CSVLogger,
@@ -62,18 +63,16 @@ def test_csv_buffers_until_flush_every_n_steps_and_widens_the_header(tmp_path: P
     with logger.metrics_file.open() as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "epoch", "loss", "val_acc"]  # header rewritten with the new column
-    assert rows[1:] == [
+    assert rows[1:] == [  # step 2's value logged after its line was written joins that line
         ["0", "0", "1.5", ""],
         ["1", "0", "1.25", ""],
-        ["2", "0", "1.0", ""],
-        ["2", "0", "", "0.75"],
+        ["2", "0", "1.0", "0.75"],
         ["3", "1", "0.5", ""],
     ]
     assert read_metrics(logger.log_dir) == [
         {"step": 0, "epoch": 0, "loss": 1.5},
         {"step": 1, "epoch": 0, "loss": 1.25},
-        {"step": 2, "epoch": 0, "loss": 1.0},
-        {"step": 2, "epoch": 0, "val_acc": 0.75},
+        {"step": 2, "epoch": 0, "loss": 1.0, "val_acc": 0.75},
         {"step": 3, "epoch": 1, "loss": 0.5},
     ]
 
@@ -171,7 +170,97 @@ def test_resumed_run_appends_to_its_metrics_file(tmp_path: Path) -> None:
     again.log_metrics({"loss": 1.0}, step=1)
     again.log_metrics({"acc": 0.5}, step=1)
     again.finalize("success")
-    assert read_metrics(again.log_dir) == [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 1.0}, {"step": 1, "acc": 0.5}]
+    assert read_metrics(again.log_dir) == [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 1.0, "acc": 0.5}]
+    # A third run's values at the step the file ends with join its last line, read from the file.
+    third = CSVLogger(root_dir=tmp_path, version=0, flush_every_n_steps=1)
+    third.log_metrics({"acc": 0.75, "epoch": 3}, step=1)
+    third.log_metrics({"loss": 0.5, "epoch": 3}, step=2)
+    third.log_metrics({"lr": 0.125, "epoch": 4}, step=2)  # a new column: the file is rewritten
+    third.finalize("success")
+    assert third.metrics_file.read_text().splitlines() == [
+        "step,epoch,loss,acc,lr",
+        "0,,2.0,,",
+        "1,3,1.0,0.75,",  # the later value wins; the line had no epoch, so it takes the new one
+        "2,3,0.5,,0.125",  # the epoch of the step's first value
+    ]
+
+
+def test_buffer_drains_the_rows_of_one_step_as_one(tmp_path: Path) -> None:
+    """Rows logged one after the other at one step drain as one row (later values win, the first
+    epoch stays), without changing an owned row or showing a row's left out name; rows of a step
+    logged again after another step stay apart."""
+    owned = {"loss": torch.tensor(0.5), "epoch": 0}
+    buf = MetricBuffer()
+    buf.add(owned, step=4, epoch=0, skip="epoch", owned=True)
+    buf.add({"val_loss": torch.tensor(0.25), "loss": 0.75}, step=4, epoch=0)
+    buf.add({"lr": 0.125}, step=4, epoch=1)
+    buf.add({"loss": 1.0}, step=5, epoch=None)
+    buf.add({"loss": 2.0}, step=4, epoch=None)
+    assert buf.drain() == [
+        (4, 0, {"loss": 0.75, "val_loss": 0.25, "lr": 0.125}),
+        (5, None, {"loss": 1.0}),
+        (4, None, {"loss": 2.0}),
+    ]
+    assert owned == {"loss": torch.tensor(0.5), "epoch": 0}
+    buf.add({"a": 1.0}, step=0, epoch=None)
+    buf.add({"b": 2.0}, step=0, epoch=7)
+    assert buf.drain_columns() == ([0], [7], {"a": [1.0], "b": [2.0]})
+
+
+class _Halving(Regressor):
+    """The Regressor with a learning rate halved every epoch (so each epoch's rows show their own)."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
+
+
+@pytest.mark.parametrize("flush_every_n_steps", [None, 1], ids=["flushed-at-the-end", "flushed-every-call"])
+def test_metrics_csv_has_one_row_per_step_and_a_resume_that_trains_nothing_appends_nothing(
+    tmp_path: Path, flush_every_n_steps: int | None
+) -> None:
+    """A fit logging the loss every step, the validation loss at the end of each epoch and the
+    learning rate (LearningRateMonitor) writes one line per step holding all three. Resuming
+    from its last checkpoint (saved after the last batch, before that epoch's validation) with
+    no step left to train runs that validation again: the file stays byte-identical. A resume
+    with an epoch to train continues the same file, one line per step."""
+    import torchrig
+
+    def fit(max_epochs: int, ckpt_path: str | None = None) -> None:
+        trainer = quiet_trainer(
+            tmp_path,
+            max_epochs=max_epochs,
+            log_every_n_steps=1,
+            logger=CSVLogger(root_dir=tmp_path, version=0, flush_every_n_steps=flush_every_n_steps),
+            enable_checkpointing=True,
+            callbacks=[
+                torchrig.LearningRateMonitor(),
+                torchrig.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True),
+            ],
+        )
+        trainer.fit(_Halving(), loader(16), loader(8), ckpt_path=ckpt_path)
+
+    fit(max_epochs=2)
+    path = tmp_path / "torchrig_logs" / "version_0" / "metrics.csv"
+    before = path.read_bytes()
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["epoch"] for r in rows] == [0] * 4 + [1] * 4
+    assert [r["lr-SGD"] for r in rows] == [0.05] * 4 + [0.025] * 4
+    assert all("train_loss" in r for r in rows)
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
+    assert before.decode().splitlines()[0] == "step,epoch,train_loss,lr-SGD,val_loss"
+
+    fit(max_epochs=2, ckpt_path="last")  # nothing left to train
+    assert path.read_bytes() == before
+
+    fit(max_epochs=3, ckpt_path="last")
+    after = path.read_bytes()
+    assert after.startswith(before)
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8, 12]
+    assert [r["lr-SGD"] for r in rows[8:]] == [0.0125] * 4
 
 
 def test_hparams_yaml(tmp_path: Path) -> None:

@@ -129,6 +129,47 @@ def test_lightning_checkpoint_saved_inside_an_epoch(tmp_path: Path, capsys: pyte
     assert f"epoch {saved['epoch']} (counted from 0) stopped after {batches} batches" in out
 
 
+@pytest.mark.timeout(90)
+def test_lightning_checkpoint_saved_after_the_fit_records_the_epoch_it_trained_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lightning's ``trainer.save_checkpoint`` after a 2-epoch fit records ``epoch`` 2 (the next
+    epoch). Imported, the loop continues with epoch 2 and the checkpoint records epoch 1, the epoch
+    its last step trained in, as a Trainer's own end-of-fit save and its name ``epoch=1-...`` do."""
+    import lightning as L
+
+    class Module(L.LightningModule):  # Continued's, under Lightning
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Linear(4, 2)
+
+        training_step = Continued.training_step
+        configure_optimizers = Continued.configure_optimizers
+
+    data = DataLoader(peer_data(), batch_size=4)
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Module(), data)
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
+    assert torch.load(tmp_path / "after_fit.ckpt", weights_only=True)["epoch"] == 2  # what Lightning wrote
+    code, out, err = run_import(capsys, tmp_path / "after_fit.ckpt", tmp_path / "imported")
+    assert code == 0, err
+    assert "  step 4, epoch 1" in out.splitlines()
+    assert "a Trainer starts epoch 2 (counted from 0) at its first batch" in out
+    assert torchrig.checkpoint.read_summary(tmp_path / "imported")["epoch"] == 1
+    left = torchrig.checkpoint.read_values(tmp_path / "imported")
+    assert left["epoch"] == 1
+    assert main(["checkpoint", "inspect", "--json", str(tmp_path / "imported")]) == 0
+    assert json.loads(capsys.readouterr().out)["epoch"] == 1
+
+
 @pytest.mark.timeout(60)
 def test_strip_and_add_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     want, _ = expected("lightning")

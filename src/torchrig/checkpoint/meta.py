@@ -24,6 +24,23 @@ _KINDS = ("module", "state", "value", "optimizer")
 _HIDDEN_FILES = (DCP_METADATA,)  # the one hidden name a checkpoint lists
 
 
+def trained_epoch(epoch: int, batch_idx: int, *, epoch_finished: bool, val_pending: bool) -> int:
+    """The ``epoch`` of a Trainer checkpoint (its ``meta.json`` and its name ``epoch=E-step=S``)
+    from the loop position it holds: the 0-based index of the last epoch that position trained
+    in. At a batch of ``epoch`` or its end, ``epoch``; between epochs (batch 0 of ``epoch``,
+    nothing of it run: the end of a fit), the epoch before. Lightning names its epoch-end
+    checkpoints the same way.
+
+    Example:
+        >>> trained_epoch(3, 0, epoch_finished=False, val_pending=False)  # after 3 epochs
+        2
+        >>> trained_epoch(2, 8, epoch_finished=True, val_pending=False)  # at the end of the third
+        2
+    """
+    between_epochs = batch_idx == 0 and not epoch_finished and not val_pending
+    return epoch - 1 if between_epochs and epoch > 0 else epoch
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, dict):
         return "a JSON object"

@@ -131,6 +131,18 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _epoch_text(info: dict[str, Any]) -> str | None:
+    """The ``epoch`` row: a Trainer checkpoint's (one with the Trainer's loop state) says how it
+    counts; any other's is the value its code saved, shown as it is."""
+    from torchrig.checkpoint.entries import class_name
+    from torchrig.trainer.loops import FitState
+
+    epoch = info.get("epoch")
+    if epoch is None or info["entries"].get("loop", {}).get("type") != class_name(FitState):
+        return None if epoch is None else str(epoch)
+    return f"{epoch} (counted from 0: the epoch of its last step)"  # the E of its name epoch=E-step=S
+
+
 def _print_tables(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -144,7 +156,7 @@ def _print_tables(info: dict[str, Any]) -> None:
         ("layout", "sharded (torch.distributed.checkpoint)" if info.get("sharded") else "whole"),
         ("world size", info.get("world_size")),
         ("step", info.get("step")),
-        ("epoch", info.get("epoch")),
+        ("epoch", _epoch_text(info)),
         ("tensors", info.get("tensors")),
         ("parameters", f"{info.get('parameters', 0):,}"),
         ("buffers", None if info.get("buffers") is None else f"{info['buffers']:,}"),  # older checkpoints: -

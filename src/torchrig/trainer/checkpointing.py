@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchrig import arguments
 from torchrig.checkpoint.background import SaveHandle
+from torchrig.checkpoint.meta import trained_epoch
 from torchrig.checkpoint.remote import CheckpointURL, as_url, local_path, remove_checkpoint
 from torchrig.strategies.agreement import default_store, every_rank_arrives
 from torchrig.trainer.callbacks import EVERY_TIME, Callback, EventSchedule
@@ -417,8 +418,9 @@ def checkpoint_epoch(trainer: Trainer) -> int:
     in, whenever it is saved: at that epoch's end (``epoch=9`` after 10 epochs), inside it, or
     after the fit or between epochs (when ``current_epoch`` already counts the finished ones)."""
     state = trainer.fit_state
-    between_epochs = state.batch_idx == 0 and not state.epoch_finished and not state.val_pending
-    return state.epoch - 1 if between_epochs and state.epoch > 0 else state.epoch
+    return trained_epoch(
+        state.epoch, state.batch_idx, epoch_finished=state.epoch_finished, val_pending=state.val_pending
+    )
 
 
 def _removable(path: Path, folder: Path, resumed_from: Path | None) -> bool:

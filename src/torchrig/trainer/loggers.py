@@ -12,12 +12,11 @@ per-step sync. Only global rank zero writes.
 from __future__ import annotations
 
 import contextlib
-import csv
 import math
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +27,7 @@ import yaml
 from torchrig import arguments
 from torchrig.trainer.logger_base import Logger
 from torchrig.trainer.metric_buffer import MetricBuffer
+from torchrig.trainer.metrics_file import MetricsFile, read_rows
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -239,7 +239,10 @@ class CSVLogger(BufferedLogger):
     """Writes ``metrics.csv`` and ``hparams.yaml`` into ``<root_dir>/<name>/version_N``.
 
     Columns are ``step``, ``epoch`` and the union of every metric name logged so far; when a
-    new name appears the file is rewritten once with the wider header (atomically).
+    new name appears the file is rewritten once with the wider header (atomically). A step is
+    one row: values logged at the step of the row before (a callback's, the validation's at the
+    end of an epoch, a resumed run's at the step it resumed from) join that row (see
+    :class:`~torchrig.trainer.metrics_file.MetricsFile`).
 
     Args:
         root_dir: the directory that holds the runs (the Trainer passes ``default_root_dir``).
@@ -263,41 +266,19 @@ class CSVLogger(BufferedLogger):
         [{'step': 1, 'loss': 0.25}]
     """
 
-    #: The CSV header; read from an existing file (a resumed run) on the first write.
-    _columns: list[str] | None = None
+    _file: MetricsFile | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_file": None}  # a started process reads the file again
 
     @property
     def metrics_file(self) -> Path:
         return self.log_dir / METRICS_FILE
 
     def _write(self, buffer: MetricBuffer) -> None:
-        steps, epochs, columns = csv_cells(buffer)
-        path = self.metrics_file
-        if self._columns is None:  # first write: continue an existing file (a resumed run)
-            self._columns = _read_header(path) or ["step", "epoch"]
-        known = set(self._columns)
-        new = [k for k in columns if k not in known]
-        old_rows: Iterable[dict[str, str]] = ()
-        rewrite = bool(new) or not path.exists()
-        if new:
-            self._columns = self._columns + new
-            old_rows = _read_rows(path) if path.exists() else []
-        # Every cell is a number or empty, so a line is its cells joined (the csv module's own
-        # line end); the header, whose names may need quoting, goes through csv.writer.
-        empty = [""] * len(steps)
-        cells = zip(steps, epochs, *(columns.get(c, empty) for c in self._columns[2:]), strict=True)
-        text = "".join([",".join(line) + "\r\n" for line in cells])
-        if rewrite:
-            tmp = path.with_name(path.name + ".tmp")
-            with tmp.open("w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow(self._columns)
-                writer.writerows([r.get(c, "") for c in self._columns] for r in old_rows)
-                f.write(text)
-            os.replace(tmp, path)  # readers never see a half-written header
-        else:
-            with path.open("a", newline="") as f:
-                f.write(text)
+        if self._file is None:
+            self._file = MetricsFile(self.metrics_file)
+        self._file.write(*csv_cells(buffer))
 
 
 class TensorBoardLogger(BufferedLogger):
@@ -389,7 +370,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, float | int]
     if not path.exists():
         raise FileNotFoundError(f"no {METRICS_FILE} in {Path(run_dir)}; pass a run directory a CSVLogger wrote")
     out: list[dict[str, float | int]] = []
-    for raw in _read_rows(path):
+    for raw in read_rows(path):
         row: dict[str, float | int] = {}
         for key, cell in raw.items():
             if cell in ("", None):
@@ -397,18 +378,6 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, float | int]
             row[key] = int(float(cell)) if key in ("step", "epoch") else float(cell)
         out.append(row)
     return out
-
-
-def _read_header(path: Path) -> list[str] | None:
-    if not path.exists():
-        return None
-    with path.open(newline="") as f:
-        return next(csv.reader(f), None)
-
-
-def _read_rows(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _plain(obj: Any) -> Any:

@@ -20,12 +20,22 @@ class MetricBuffer:
     sum). :meth:`drain` reads every buffered value at once: CPU tensors directly, the others with
     one transfer per device and dtype; :meth:`drain_columns` gives the same column by column.
 
+    A step is one row: rows added one after the other at the same step (the Trainer's values of
+    a step, a callback's learning rates, the validation run at the end of the epoch) are drained
+    as one row holding all their values (a name given twice keeps its later value) and the
+    epoch of the first that has one (the epoch the step was trained in). They are merged when
+    drained, so :meth:`add` stays one append.
+
     Example:
         >>> buf = MetricBuffer()
         >>> buf.add({"loss": torch.tensor(0.5)}, step=1, epoch=0)
         1
         >>> buf.drain()
         [(1, 0, {'loss': 0.5})]
+        >>> _ = buf.add({"loss": torch.tensor(0.25)}, step=2, epoch=0)
+        >>> _ = buf.add({"lr": 0.1}, step=2, epoch=1)
+        >>> buf.drain()
+        [(2, 0, {'loss': 0.25, 'lr': 0.1})]
     """
 
     def __init__(self) -> None:
@@ -74,7 +84,7 @@ class MetricBuffer:
     def drain(self) -> list[Row]:
         """Every buffered row with its values as floats (exact: a float32 value is the float it
         holds); empties the buffer."""
-        rows, self.rows = self.rows, []
+        rows = self._take()
         floats = iter(_floats([v for *_, values, skip in rows for k, v in values.items() if k != skip]))
         return [
             (int(step), epoch, {k: next(floats) for k in values if k != skip}) for step, epoch, values, skip in rows
@@ -94,7 +104,7 @@ class MetricBuffer:
             >>> buf.drain_columns()
             ([1, 2], [0, None], {'loss': [0.5, None], 'acc': [None, 0.25]})
         """
-        rows, self.rows = self.rows, []
+        rows = self._take()
         skipped = {row[3] for row in rows}
         cells: dict[str, list[Any]] = {}  # name -> its value in each row, None where it has none
         for name in dict.fromkeys(chain.from_iterable(row[2] for row in rows)):
@@ -108,6 +118,29 @@ class MetricBuffer:
         read = iter(_floats([v for column in cells.values() for v in column if v is not None]))
         columns = {name: [None if v is None else next(read) for v in column] for name, column in cells.items()}
         return [int(row[0]) for row in rows], [row[1] for row in rows], columns
+
+    def _take(self) -> list[tuple[int, int | None, dict[str, Any], str | None]]:
+        """The buffered rows with those of one step next to each other merged into one; empties the buffer.
+
+        A merged row is a new dict without its rows' left out names (an owned row is not changed)."""
+        rows, self.rows = self.rows, []
+        out: list[tuple[int, int | None, dict[str, Any], str | None]] = []
+        merged: dict[str, Any] | None = None  # the last merged row's values (ours: updated in place)
+        for row in rows:
+            if not out or out[-1][0] != row[0]:
+                out.append(row)
+                continue
+            step, epoch, values, skip = out[-1]
+            if values is not merged:
+                merged = dict(values)
+                if skip is not None:
+                    merged.pop(skip, None)
+            new, left_out = row[2], row[3]
+            if left_out is not None and left_out in new:
+                new = {k: v for k, v in new.items() if k != left_out}
+            merged.update(new)
+            out[-1] = (step, row[1] if epoch is None else epoch, merged, None)
+        return out
 
 
 def _floats(values: list[Any]) -> list[float]:

@@ -26,7 +26,7 @@ from torchrig.preemption import Preempted, SignalWatch, restart_count
 from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
 from torchrig.trainer import debugging, loops, settings
 from torchrig.trainer.callbacks import TRANSFER_HOOKS, Callback, merge_callbacks, overrides, unknown_hooks
-from torchrig.trainer.checkpointing import default_checkpoint_dir, previous_run_last
+from torchrig.trainer.checkpointing import checkpoint_epoch, default_checkpoint_dir, previous_run_last
 from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.module import TrainingModule, parse_optimizers
 from torchrig.trainer.summary import summary_table
@@ -443,7 +443,9 @@ def checkpoint_state(tr: Trainer) -> dict[str, Any]:
     state["callbacks"] = {cb.state_key: cb.state_dict() for cb in tr.callbacks}
     for cb in tr.callbacks:  # tensors a callback keeps (EMA's average): module entries of their own
         state.update({f"{cb.state_key}.{name}": m for name, m in cb.checkpoint_modules(tr).items()})
-    state["step"], state["epoch"] = tr.fit_state.global_step, tr.fit_state.epoch
+    # The epoch its name shows (epoch=E), not the loop's counter, which a save between epochs
+    # (the end of a fit) has already advanced past the epoch its last step trained in.
+    state["step"], state["epoch"] = tr.fit_state.global_step, checkpoint_epoch(tr)
     return {k: v for k, v in state.items() if v is not None}
 
 
@@ -497,7 +499,7 @@ def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     path = _resolve_path(tr, ckpt_path)
     if path is None:
         return
-    if tr.reload_dataloaders_every_n_epochs:  # the loaders the resumed epoch ran with, before loading their place
+    if tr.reload_dataloaders_every_n_epochs:  # the loaders of the epoch it last trained in, before loading their place
         epoch = read_summary(path).get("epoch")
         tr.run.reload_for_resume(int(epoch) if isinstance(epoch, int) else 0)
     state = checkpoint_state(tr)

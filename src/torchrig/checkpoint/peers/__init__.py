@@ -37,6 +37,7 @@ import torch
 from torchrig import arguments
 from torchrig.checkpoint.core import write
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.meta import trained_epoch
 from torchrig.checkpoint.peers.accelerate import read_accelerate
 from torchrig.checkpoint.peers.classes import optimizer_class, scheduler_class
 from torchrig.checkpoint.peers.lightning import read_lightning
@@ -175,9 +176,10 @@ def _payload(peer: Peer, optimizers: list[str], schedulers: list[str]) -> dict[s
     for key, (value, kind) in fixed.items():
         objects[key] = value
         entries[key] = {"kind": "state", "type": kind}
-    values = {"callbacks": {}, **peer.values, "step": peer.step, "epoch": peer.epoch}
+    epoch = trained_epoch(peer.epoch, peer.batches, epoch_finished=peer.epoch_finished, val_pending=False)
+    values = {"callbacks": {}, **peer.values, "step": peer.step, "epoch": epoch}  # as a Trainer's save records it
     entries.update({k: {"kind": "value", "type": f"builtins.{type(v).__name__}"} for k, v in values.items()})
-    peer.lines.append(f"step {peer.step}, epoch {peer.epoch}")
+    peer.lines.append(f"step {peer.step}, epoch {epoch}")
     blob = {"objects": objects, "values": values, "module_extras": extras, "rng": peer.rng}
     return {"modules": modules, "blob": blob, "entries": entries, "counts": {"parameters": floats}}
 
