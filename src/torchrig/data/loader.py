@@ -123,6 +123,10 @@ class RigDataLoader:
         self._epoch_rng: dict[str, Any] | None = None
         #: The StatefulDataLoader's state to continue from at the next (resumed) ``iter()``.
         self._loader_state: dict[str, Any] | None = None
+        #: An epoch was started and not read to its end (its iterator may hold worker processes).
+        self._unfinished = False
+        #: The StatefulDataLoader's position where :meth:`end_workers` ended an unfinished epoch.
+        self._ended_at: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -147,6 +151,7 @@ class RigDataLoader:
             if callable(set_epoch):
                 set_epoch(self.epoch)
         self.batches_seen = skip
+        self._ended_at, self._unfinished = None, True
         if skip:
             it = self._resumed_epoch(skip)
         else:
@@ -166,6 +171,25 @@ class RigDataLoader:
             if on_batch is not None:
                 on_batch(self)
             yield move_batch(batch, device, non_blocking) if move else batch
+        self._unfinished = False
+
+    def end_workers(self) -> None:
+        """End now the worker processes of an epoch that was not read to its end (a fit stopped
+        mid-epoch by ``max_steps`` or a stop signal); :meth:`state_dict` still gives where it stopped.
+
+        A torchdata StatefulDataLoader keeps its iterator, and the iterator its workers, until the
+        loader itself is freed. A loader held in a reference cycle (a Trainer's is) is freed by
+        the garbage collector at some later moment, where torch's shutdown then waits 5 s for each
+        worker (the queue that would tell it to stop is closed first). The Trainer calls this as
+        each stage ends. A plain DataLoader needs none of it: its iterator ends with the epoch's
+        (unless ``persistent_workers``, which keeps them for the loader's life, as asked).
+        """
+        loader = self.loader
+        if not (self._unfinished and is_stateful_loader(loader) and loader.num_workers > 0):
+            return
+        self._ended_at = loader.state_dict()  # type: ignore[attr-defined]
+        loader.load_state_dict({})  # type: ignore[attr-defined]  # drops its iterator, the workers' last holder
+        self._unfinished = False
 
     def _resumed_epoch(self, skip: int) -> Iterator[Any]:
         """The current epoch after its first ``skip`` batches, drawn as the epoch first was.
@@ -235,8 +259,10 @@ class RigDataLoader:
         if self._epoch_rng is not None:
             state["epoch_rng"] = self._every_rank(self._epoch_rng)
         if isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader):
-            with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
-                position = self.loader.state_dict()  # type: ignore[attr-defined]
+            position = self._ended_at
+            if position is None:
+                with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
+                    position = self.loader.state_dict()  # type: ignore[attr-defined]
             state["loader_state"] = self._every_rank(position)
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
