@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from trainer.test_trainer_tools_docs import blocks, run_block
+from test_readme import run_block
+from trainer.test_trainer_tools_docs import blocks
 
 DOC = (ROOT / "docs" / "migrating.md").read_text()
 SNIPPETS = blocks(DOC, "python")

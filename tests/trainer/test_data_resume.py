@@ -209,6 +209,29 @@ def test_a_stateful_stream_without_length_trains_and_resumes_exactly(tmp_path: P
     assert_same_fit(whole, pieces)
 
 
+def test_a_fit_that_stops_mid_epoch_ends_its_loader_workers_and_keeps_their_position(tmp_path: Path) -> None:
+    # A StatefulDataLoader keeps its iterator, and so its worker processes, after an epoch stopped
+    # early. Left for the garbage collector (the loader sits in reference cycles), they ended at
+    # some later moment, where torch's shutdown waits 5 s for each worker: the 20-30 s stalls of
+    # whichever test ran then. The fit ends them as it ends; the position stays where it stopped.
+    import multiprocessing
+
+    class AtFitEnd(torchrig.Callback):
+        def on_fit_end(self, trainer: torchrig.Trainer, module: torchrig.TrainingModule) -> None:
+            self.state = trainer.run.train_loader.state_dict()
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    at_end = AtFitEnd()
+    trainer = quiet_trainer(tmp_path, max_epochs=1, max_steps=3, enable_model_summary=False, callbacks=[at_end])
+    trainer.fit(IdRegressor(), DataLoader(Stream(40), batch_size=4, num_workers=2))
+    assert [p.pid for p in multiprocessing.active_children() if p.pid not in before] == []
+    after = trainer.run.train_loader.state_dict()  # starts no workers
+    assert [p.pid for p in multiprocessing.active_children() if p.pid not in before] == []
+    assert after["batches_seen"] == at_end.state["batches_seen"] == 3
+    assert after["loader_state"] == at_end.state["loader_state"]
+    assert after["loader_state"][0]["_snapshot"]["_snapshot_step"] == 3
+
+
 def test_a_stream_without_position_is_read_again_with_a_warning(tmp_path: Path) -> None:
     def make() -> DataLoader[Any]:
         return DataLoader(Stream(40, stateful=False), batch_size=4)

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from trainer_helpers import docs_example
 
+from conftest import run_example
+
 pytestmark = pytest.mark.timeout(90)
 
 
@@ -19,7 +21,5 @@ pytestmark = pytest.mark.timeout(90)
         "## Iterable datasets without a position",
     ],
 )
-def test_the_examples_of_docs_data_run(heading: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    code = docs_example(heading, "data.md")
-    exec(compile(code, f"docs/data.md {heading}", "exec"), {"__name__": "docs_data"})
+def test_the_examples_of_docs_data_run(heading: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_example(docs_example(heading, "data.md"), f"docs/data.md {heading}", tmp_path, capsys)

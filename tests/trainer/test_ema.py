@@ -16,6 +16,7 @@ import torch
 from trainer_helpers import Regressor, docs_example, loader, quiet_trainer, subprocess_env
 
 import torchrig
+from conftest import run_example
 from torchrig.trainer.ema import EMA
 
 
@@ -253,11 +254,8 @@ def test_fsdp_two_processes_average_their_shards_like_one_process(tmp_path: Path
 
 
 @pytest.mark.timeout(160)
-def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
-    from conftest import PYTHON, python_env
-
-    code = docs_example("## Weight averaging: `torchrig.EMA`")
-    done = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=python_env(), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert "64" in lines and "['EMA.averaged', 'callbacks']" in lines and lines[-1] == "True", done.stdout
+def test_the_docs_example_runs_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    heading = "## Weight averaging: `torchrig.EMA`"
+    out = run_example(docs_example(heading), heading, tmp_path, capsys)
+    lines = out.splitlines()
+    assert "64" in lines and "['EMA.averaged', 'callbacks']" in lines and lines[-1] == "True", out

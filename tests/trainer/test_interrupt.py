@@ -57,6 +57,7 @@ def _run(tmp: Path, root: str, interrupt: bool) -> subprocess.CompletedProcess[s
     )
 
 
+@pytest.mark.slow  # three interpreters in turn, each importing torch: 10.6 s of CPU in them, 20 s of wall idle
 @pytest.mark.timeout(120)
 def test_ctrl_c_saves_last_at_the_next_step_exits_non_zero_and_resumes_exactly(tmp_path: Path) -> None:
     clean = _run(tmp_path, "clean", interrupt=False)

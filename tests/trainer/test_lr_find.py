@@ -18,6 +18,7 @@ from trainer_helpers import Regressor, docs_example, loader, quiet_trainer, subp
 
 import torchrig
 import torchrig.tune
+from conftest import run_example
 from torchrig.tune import LRFinderResult, lr_find, smooth
 
 
@@ -309,15 +310,11 @@ def test_two_processes_agree_on_the_losses(tmp_path: Path, strategy: str) -> Non
 
 
 @pytest.mark.timeout(160)
-def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
+def test_the_docs_example_runs_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
-    from conftest import PYTHON, python_env
-
-    code = docs_example("## Learning-rate finder")
-    done = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=python_env(), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = [line for line in done.stdout.splitlines() if line in ("100 False", "True")]
-    assert printed == ["100 False", "True", "True"], done.stdout
+    out = run_example(docs_example("## Learning-rate finder"), "## Learning-rate finder", tmp_path, capsys)
+    printed = [line for line in out.splitlines() if line in ("100 False", "True")]
+    assert printed == ["100 False", "True", "True"], out
     assert (tmp_path / "lr_find.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -4,12 +4,11 @@ and print what the text says."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, ROOT, python_env
+from conftest import ROOT, run_example
 
 DOCS = (ROOT / "docs" / "trainer_tools.md").read_text()
 
@@ -43,17 +42,13 @@ def stripped(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
-def run_block(code: str, cwd: Path) -> str:
-    done = subprocess.run([PYTHON, "-c", code], cwd=cwd, env=python_env(), capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
 
 
 @pytest.mark.timeout(160)
-def test_the_simple_profiler_example(tmp_path: Path) -> None:
+def test_the_simple_profiler_example(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = section('### `profiler="simple"`')
     (code,) = blocks(text, "python")
-    out = run_block(code, tmp_path)
+    out = run_example(code, "docs/trainer_tools.md", tmp_path, capsys)
     assert "SimpleProfiler: 48 steps in" in out and out.rstrip().endswith("True")
     shown = blocks(text, "")[0]  # the table the docs show: the same rows
     for row in ("data loading", "training_step (forward)", "backward", "optimizer step", "validation", "other"):
@@ -65,15 +60,15 @@ def test_the_simple_profiler_example(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(160)
-def test_the_pytorch_profiler_example(tmp_path: Path) -> None:
+def test_the_pytorch_profiler_example(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (code,) = blocks(section('### `profiler="pytorch"`'), "python")
-    out = run_block(code, tmp_path)
+    out = run_example(code, "docs/trainer_tools.md", tmp_path, capsys)
     assert "PyTorchProfiler: top 5 operators by self time" in out
     assert out.rstrip().endswith("['chrome_trace_rank0.json', 'tensorboard']")
 
 
 @pytest.mark.timeout(160)
-def test_the_hyperparameters_example(tmp_path: Path) -> None:
+def test_the_hyperparameters_example(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (code,) = blocks(section("## Hyperparameters"), "python")
-    out = run_block(code, tmp_path)
+    out = run_example(code, "docs/trainer_tools.md", tmp_path, capsys)
     assert out.splitlines()[-2:] == ["{'hidden': 8, 'lr': 0.01, 'activations': ('tanh',)}", "True"]

@@ -124,6 +124,7 @@ print(rig.all_gather(torch.tensor([rank])).tolist(), flush=True)
 
 
 @needs_proc
+@pytest.mark.distributed  # two real ranks (gloo): 6.5 s of CPU in them, 13 s of wall on an idle 2-core machine
 def test_a_ddp_process_waits_for_its_gloo_workers_at_exit(tmp_path: Path) -> None:
     """Two real ranks: the wait is registered by the strategy and runs after the process group
     is destroyed (the order atexit keeps), and finds gloo's real worker threads (still there: the

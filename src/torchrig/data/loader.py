@@ -135,13 +135,16 @@ class RigDataLoader:
         #: (always False for a loader with a length, or without ``look_ahead``).
         self.at_last_batch = False
         #: A stateful stream's position after the batch last given out, taken before the batch
-        #: after it was read ahead (None: the loader's own state is that position).
+        #: after it was read ahead, or before :meth:`end_workers` dropped the epoch's iterator
+        #: (None: the loader's own state is that position).
         self._position: dict[str, Any] | None = None
         #: The state last loaded, until the next ``iter()``: saved again as it was given (a
         #: position from another batch size is not rounded to this loader's batches).
         self._loaded: dict[str, Any] | None = None
         #: Said when the resumed epoch starts: samples of the loaded position seen again.
         self._seen_again: str | None = None
+        #: An epoch was started and not read to its end (its iterator may hold worker processes).
+        self._unfinished = False
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -170,6 +173,7 @@ class RigDataLoader:
             if callable(set_epoch):
                 set_epoch(self.epoch)
         self.batches_seen = skip
+        self._unfinished = True
         if skip:
             it = self._resumed_epoch(skip)
         else:
@@ -192,6 +196,26 @@ class RigDataLoader:
             if on_batch is not None:
                 on_batch(self)
             yield move_batch(batch, device, non_blocking) if move else batch
+        self._unfinished = False
+
+    def end_workers(self) -> None:
+        """End now the worker processes of an epoch that was not read to its end (a fit stopped
+        mid-epoch by ``max_steps`` or a stop signal); :meth:`state_dict` still gives where it stopped.
+
+        A torchdata StatefulDataLoader keeps its iterator, and the iterator its workers, until the
+        loader itself is freed. A loader held in a reference cycle (a Trainer's is) is freed by
+        the garbage collector at some later moment, where torch's shutdown then waits 5 s for each
+        worker (the queue that would tell it to stop is closed first). The Trainer calls this as
+        each stage ends. A plain DataLoader needs none of it: its iterator ends with the epoch's
+        (unless ``persistent_workers``, which keeps them for the loader's life, as asked).
+        """
+        loader = self.loader
+        if not (self._unfinished and is_stateful_loader(loader) and loader.num_workers > 0):
+            return
+        if self._position is None:  # (reading ahead, the position is the one before the batch read ahead)
+            self._position = loader.state_dict()  # type: ignore[attr-defined]
+        loader.load_state_dict({})  # type: ignore[attr-defined]  # drops its iterator, the workers' last holder
+        self._unfinished = False
 
     def _read_ahead(self, it: Iterator[Any]) -> Iterator[Any]:
         """``it``'s batches, each given out once the next one is read (or the epoch has ended:

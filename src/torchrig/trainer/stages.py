@@ -253,6 +253,9 @@ def setup(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, st
 
 
 def teardown(tr: Trainer, module: TrainingModule, datamodule: DataModule | None, stage: str) -> None:
+    for loader in [tr.run.train_loader, *(one for kind in tr.run.eval_loaders.values() for one in kind)]:
+        if isinstance(loader, RigDataLoader):
+            loader.end_workers()  # a stage stopped mid-epoch: its workers end with it, not at a later GC
     tr.run.emit("teardown", stage)
     if datamodule is not None:
         datamodule.teardown(stage)
