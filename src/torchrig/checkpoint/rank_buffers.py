@@ -53,17 +53,25 @@ def every_rank_buffers(rig: Any, modules: dict[str, nn.Module]) -> RankBuffers:
     digests = {key: {n: _digest(b) for n, b in bufs.items()} for key, bufs in buffers.items()}
     ranks: list[Any] = [None] * rig.world_size
     torch.distributed.all_gather_object(ranks, digests)
-    differ = {
-        key: [n for n in names if any(r.get(key, {}).get(n) != names[n] for r in ranks)]
-        for key, names in ranks[0].items()
-    }
-    differ = {key: names for key, names in differ.items() if names}
+    differ = {key: names for key in modules if (names := _differing(key, ranks))}
     if not differ:
         return {}
-    own = {key: {n: buffers[key][n].detach().cpu() for n in names} for key, names in differ.items()}
+    own = {
+        key: {n: buffers[key][n].detach().cpu() for n in names if n in buffers[key]} for key, names in differ.items()
+    }
     copies: list[Any] = [None] * rig.world_size
     torch.distributed.all_gather_object(copies, own)
     return {key: [rank[key] for rank in copies] for key in differ}
+
+
+def _differing(key: str, ranks: list[dict[str, dict[str, str]]]) -> list[str]:
+    """The buffers of entry ``key`` that ranks hold with different digests (a buffer only one rank
+    holds, a pipeline stage's, has one digest: that rank saves it whole, it is not per rank)."""
+    seen: dict[str, set[str]] = {}
+    for rank in ranks:
+        for name, digest in rank.get(key, {}).items():
+            seen.setdefault(name, set()).add(digest)
+    return sorted(n for n, digests in seen.items() if len(digests) > 1)
 
 
 def restore_rank_buffers(rig: Any, saved: RankBuffers | None, modules: dict[str, nn.Module]) -> None:
