@@ -22,18 +22,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchrig.dtensors import is_dtensor
+
 #: Per module entry: every rank's copy of the buffers that differed, ``[{name: tensor}, ...]`` by rank.
 RankBuffers = dict[str, list[dict[str, torch.Tensor]]]
 
 
 def plain_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """The persistent buffers of ``module`` that every rank holds whole (not DTensors), by name."""
-    from torch.distributed.tensor import DTensor
-
     out: dict[str, torch.Tensor] = {}
     for prefix, sub in module.named_modules():
         for name, buf in sub._buffers.items():
-            if buf is None or name in sub._non_persistent_buffers_set or isinstance(buf, DTensor):
+            if buf is None or name in sub._non_persistent_buffers_set or is_dtensor(buf):
                 continue
             out.setdefault(f"{prefix}.{name}" if prefix else name, buf)
     return out
