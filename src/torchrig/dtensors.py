@@ -20,11 +20,16 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (without importing DTensor where nothing has)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as a plain tensor: a DTensor becomes the full tensor it stands for (a collective
     over its mesh, so every rank of that mesh calls it; differentiable)."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(tensor, dtensor):
+    if is_dtensor(tensor):
         return tensor.full_tensor()  # type: ignore[attr-defined,no-any-return]
     return tensor
 

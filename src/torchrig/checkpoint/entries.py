@@ -13,6 +13,7 @@ from torch import nn
 
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import FORMAT, FORMAT_VERSION, plain_key
+from torchrig.checkpoint.rank_buffers import every_rank_buffers
 from torchrig.checkpoint.rng import capture_rng
 from torchrig.checkpoint.tensors import split_module_state
 from torchrig.speedups import unwrap_compiled
@@ -82,21 +83,23 @@ def summary_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def collect(rig: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """Everything to write, taken on every rank (state-dict calls may be collectives)."""
+def collect(rig: Any, state: dict[str, Any], sharded_modules: dict[str, nn.Module] | None = None) -> dict[str, Any]:
+    """Everything to write, taken on every rank (state-dict calls may be collectives).
+    ``sharded_modules``: the modules DCP saves (not in ``state``), whose buffers that differ from
+    rank to rank are kept per rank like those of the modules of ``state``."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     extras: dict[str, dict[str, Any]] = {}
     objects: dict[str, Any] = {}
     values: dict[str, Any] = {}
     entries: dict[str, dict[str, Any]] = {}
-    counted: list[nn.Module] = []
+    counted: dict[str, nn.Module] = {}
     for key, obj in state.items():
         check_key(key)
         if isinstance(obj, nn.Module):
             sd = rig.strategy.module_state_dict(user_module(obj))
             modules[key], extras[key] = split_module_state(sd)
             entries[key] = {"kind": "module", "type": qualname(obj), "file": f"{key}.safetensors"}
-            counted.append(user_module(obj))
+            counted[key] = user_module(obj)
         elif is_stateful(obj):
             objects[key] = obj.state_dict()
             entries[key] = {"kind": "state", "type": qualname(obj)}
@@ -104,7 +107,8 @@ def collect(rig: Any, state: dict[str, Any]) -> dict[str, Any]:
             values[key] = obj
             entries[key] = {"kind": "value", "type": qualname(obj)}
     blob = {"objects": objects, "values": values, "module_extras": extras, "rng": every_rank_rng(rig)}
-    return {"modules": modules, "blob": blob, "entries": entries, "counts": module_counts(counted)}
+    blob["rank_buffers"] = every_rank_buffers(rig, {**counted, **(sharded_modules or {})})
+    return {"modules": modules, "blob": blob, "entries": entries, "counts": module_counts(counted.values())}
 
 
 def every_rank_rng(rig: Any) -> list[Any]:

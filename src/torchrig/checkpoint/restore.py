@@ -11,6 +11,7 @@ from torch import nn
 from torchrig.checkpoint.compare import load_problems
 from torchrig.checkpoint.entries import is_stateful, user_module
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.rank_buffers import restore_rank_buffers
 from torchrig.checkpoint.rng import capture_rng, restore_rng
 
 
@@ -56,6 +57,7 @@ def apply_loaded(
             _load_object(key, obj, blob["objects"].pop(key), entries[key]["type"])
         for key, obj in modules.items():
             user_module(obj).load_state_dict({**tensors.pop(key), **blob["module_extras"].get(key, {})}, strict=strict)
+        restore_rank_buffers(rig, blob.get("rank_buffers"), {k: user_module(o) for k, o in modules.items()})
     except BaseException:
         for obj, before in reversed(done):
             obj.load_state_dict(before)

@@ -50,6 +50,7 @@ from torchrig.checkpoint.files import (
     write_torch,
 )
 from torchrig.checkpoint.meta import DCP_METADATA, STATE_FILE
+from torchrig.checkpoint.rank_buffers import restore_rank_buffers
 from torchrig.checkpoint.reading import VerifiedReader, read_regular, safe_torch_load
 from torchrig.checkpoint.remote import CheckpointURL
 from torchrig.checkpoint.restore import apply_loaded
@@ -160,7 +161,7 @@ def start(
 
     modules, optims, rest = split(state)
     shards = dcp_state(modules, optims, frozenset(k for k, o in optims.items() if not o.state))
-    payload = collect(rig, rest)
+    payload = collect(rig, rest, sharded_modules=modules)
     made: tuple[str, str] | None = None
     if rig.is_global_zero:
         try:
@@ -380,6 +381,7 @@ def load(
     for k, m in modules.items():
         if k in shards:
             set_model_state_dict(m, shards[k])
+    restore_rank_buffers(rig, blob.get("rank_buffers"), {k: m for k, m in modules.items() if k in shards})
     for k, o in optims.items():
         if k in shards:
             options = _optimizer_options(k, nested | stateless)
