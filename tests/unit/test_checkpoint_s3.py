@@ -101,6 +101,18 @@ def test_a_tampered_object_is_refused(bucket: str) -> None:
         rig.load(f"s3://{bucket}/last", {"model": model})
 
 
+def test_a_save_to_a_name_that_is_an_object_is_refused(bucket: str) -> None:
+    # S3 keeps the object ``ck`` beside the prefix ``ck/``: the save used to upload and commit
+    # there, and every load of it then read the object ``ck`` and refused it as a broken link.
+    fs = s3fs.S3FileSystem()
+    fs.pipe_file(f"{bucket}/ck", b"notes")
+    rig = torchrig.Rig(accelerator="cpu")
+    model, _ = trained_mlp(0)
+    with pytest.raises(CheckpointError, match=rf"^cannot save to s3://{bucket}/ck: an object of that name is there"):
+        rig.save(f"s3://{bucket}/ck", {"model": model, "step": 1})
+    assert fs.find(bucket, refresh=True) == [f"{bucket}/ck"]
+
+
 # One process imports torch once, then for every k forks a child that saves step 2 over step 1
 # (same name, ``last`` pointing at it, an older checkpoint falling to keep_last) and dies
 # (os._exit: no clean-up, as SIGKILL) at its k-th change on the server. The parent then loads
