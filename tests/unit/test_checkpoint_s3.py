@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import torchrig
 from conftest import python_env, trained_mlp
@@ -329,3 +330,18 @@ def test_two_fsdp_ranks_upload_shards_resume_exactly_and_survive_a_kill(bucket: 
     assert torchrig.checkpoint.describe(f"{url}/last")["step"] == 6
     assert len(fs.ls(f"{bucket}/fsdp/step-6", refresh=True)) == 1  # the dead upload was tidied
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/fsdp", refresh=True)) == ["last", "step-4", "step-6"]
+
+    # Saved by 2 ranks, read by 1 process: loaded into FSDP over one rank, and consolidated.
+    final = torch.load(tmp_path / "final.pt")
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    torch.manual_seed(1)
+    model = rig.prepare(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
+    optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=0.05))
+    assert rig.load(f"{url}/last", {"model": model, "optimizer": optimizer}) == {"step": 6}
+    now = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
+    for i, moments in enumerate(optimizer.state.values()):
+        now.update({f"opt.{i}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in moments.items()})
+    assert now.keys() == final.keys() and all(torch.equal(now[k], final[k]) for k in final)
+    weights = load_file(torchrig.checkpoint.consolidate(f"{url}/last", tmp_path / "w.safetensors"))
+    assert {f"model.{k}" for k in weights} == {k for k in final if k.startswith("model.")}
+    assert all(torch.equal(weights[k], final[f"model.{k}"]) for k in weights)
