@@ -101,10 +101,18 @@ def test_a_tampered_shard_object_is_refused_before_anything_changes(memory_url: 
     data = bytearray(_fs().cat_file(key))
     data[len(data) // 2] ^= 0xFF
     _fs().pipe_file(key, bytes(data))
+    _refused_changing_nothing(
+        rig, f"{memory_url}/last", r"checksum mismatch in .*__0_0\.distcp: SHA-256 is .*, meta\.json says"
+    )
+
+
+def _refused_changing_nothing(rig: torchrig.Rig, url: str, match: str) -> None:
+    """Loading ``url`` into a new model and optimizer raises a CheckpointError matching ``match``
+    and leaves every weight and moment as it was."""
     other, other_opt = _fsdp(rig, 1)
     before = [t.clone() for t in _full(other, other_opt)]
-    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*__0_0\.distcp: SHA-256 is .*, meta\.json says"):
-        rig.load(f"{memory_url}/last", {"model": other, "optimizer": other_opt})
+    with pytest.raises(CheckpointError, match=match):
+        rig.load(url, {"model": other, "optimizer": other_opt})
     assert all(torch.equal(a, b) for a, b in zip(before, _full(other, other_opt), strict=True))
 
 
@@ -129,11 +137,7 @@ def test_a_file_deleted_or_cut_after_the_commit_is_refused_naming_the_stored_obj
     else:
         _fs().pipe_file(key, _fs().cat_file(key)[:-5])
         expected = rf"{key} is {size - 5} bytes but meta\.json says {size}"
-    other, other_opt = _fsdp(rig, 1)
-    before = [t.clone() for t in _full(other, other_opt)]
-    with pytest.raises(CheckpointError, match=rf"^memory://{expected}"):
-        rig.load(f"{memory_url}/last", {"model": other, "optimizer": other_opt})
-    assert all(torch.equal(a, b) for a, b in zip(before, _full(other, other_opt), strict=True))
+    _refused_changing_nothing(rig, f"{memory_url}/last", rf"^memory://{expected}")
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "auto"])
