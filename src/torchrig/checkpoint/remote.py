@@ -183,7 +183,9 @@ def fetched(path: str | os.PathLike[str]) -> Iterator[Path]:
             _download(fs, version, origin, meta["files"], folder)
             yield folder
         except CheckpointError as err:  # the reader's refusal names the stored object, not the temp copy
-            raise CheckpointError(str(err).replace(str(folder), origin)) from None
+            if str(folder) not in str(err):
+                raise
+            raise CheckpointError(str(err).replace(str(folder), origin)).with_traceback(err.__traceback__) from None
 
 
 def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any]], folder: Path) -> None:
