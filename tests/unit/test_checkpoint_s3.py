@@ -102,6 +102,17 @@ def test_a_tampered_object_is_refused(bucket: str) -> None:
         rig.load(f"s3://{bucket}/last", {"model": model})
 
 
+def test_an_object_deleted_after_the_commit_is_refused_by_its_url(bucket: str) -> None:
+    rig = torchrig.Rig(accelerator="cpu")
+    model, _ = trained_mlp(0)
+    rig.save(f"s3://{bucket}/ck", {"model": model, "step": 1})
+    fs = s3fs.S3FileSystem()
+    (key,) = [k for k in fs.find(f"{bucket}/ck") if k.endswith("/model.safetensors")]
+    fs.rm_file(key)
+    with pytest.raises(CheckpointError, match=rf"^s3://{key} is missing; meta\.json lists it \([0-9]+ bytes\)"):
+        rig.load(f"s3://{bucket}/last", {"model": model})
+
+
 def test_a_save_to_a_name_that_is_an_object_is_refused(bucket: str) -> None:
     # S3 keeps the object ``ck`` beside the prefix ``ck/``: the save used to upload and commit
     # there, and every load of it then read the object ``ck`` and refused it as a broken link.
