@@ -69,6 +69,37 @@ def test_a_stream_accumulating_resumes_exactly_after_the_look_ahead(tmp_path: Pa
     assert_same_fit(whole, pieces)
 
 
+@pytest.mark.parametrize(("limit", "epochs", "steps"), [(5, [range(10)], 4), (12, [range(10), range(10)], 6)])
+def test_a_limited_epoch_of_a_stream_reads_no_batch_past_its_limit(
+    tmp_path: Path, limit: int, epochs: list[range], steps: int
+) -> None:
+    # Stream keeps its position when an epoch stops early, so each limited epoch goes on where the
+    # last one stopped. With limit 5, reading ahead after the 5th batch read the 6th, which the
+    # next epoch then never trained. With limit 12 the stream ends first (10 batches): the look-ahead
+    # still finds that end and steps the partial window (after batches 4, 8, 10 of each epoch).
+    torch.manual_seed(0)
+    module = NoDropout()
+    trainer = quiet_trainer(
+        tmp_path, max_epochs=2, accumulate_grad_batches=4, limit_train_batches=limit, enable_model_summary=False
+    )
+    trainer.fit(module, DataLoader(Stream(40), batch_size=4))
+    assert module.trained == [list(range(4 * b, 4 * b + 4)) for batches in epochs for b in batches]
+    assert trainer.global_step == steps  # with limit 5: after batches 4 and 5 of each epoch
+
+
+def test_the_look_ahead_stops_at_the_epoch_limit() -> None:
+    rig = torchrig.Rig(accelerator="cpu", devices=1)
+    stream = Stream(12)
+    loader = rig.setup_dataloader(DataLoader(stream, batch_size=2))
+    loader.look_ahead, loader.epoch_limit = True, 3
+    ends = []
+    for i, _ in enumerate(loader):
+        ends.append(loader.at_last_batch)
+        if i == 2:
+            break
+    assert ends == [False, False, True] and stream.data.reads == 6  # the 4th batch is never read
+
+
 class Noisy(Stream):
     """A stream that draws from torch's global RNG while it makes each sample (an augmentation)."""
 

@@ -101,11 +101,63 @@ def test_a_tampered_shard_object_is_refused_before_anything_changes(memory_url: 
     data = bytearray(_fs().cat_file(key))
     data[len(data) // 2] ^= 0xFF
     _fs().pipe_file(key, bytes(data))
+    _refused_changing_nothing(
+        rig, f"{memory_url}/last", r"checksum mismatch in .*__0_0\.distcp: SHA-256 is .*, meta\.json says"
+    )
+
+
+def _refused_changing_nothing(rig: torchrig.Rig, url: str, match: str) -> None:
+    """Loading ``url`` into a new model and optimizer raises a CheckpointError matching ``match``
+    and leaves every weight and moment as it was."""
     other, other_opt = _fsdp(rig, 1)
     before = [t.clone() for t in _full(other, other_opt)]
-    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*__0_0\.distcp: SHA-256 is .*, meta\.json says"):
-        rig.load(f"{memory_url}/last", {"model": other, "optimizer": other_opt})
+    with pytest.raises(CheckpointError, match=match):
+        rig.load(url, {"model": other, "optimizer": other_opt})
     assert all(torch.equal(a, b) for a, b in zip(before, _full(other, other_opt), strict=True))
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "state.pt"])
+def test_a_file_deleted_or_cut_after_the_commit_is_refused_naming_the_stored_object(
+    memory_url: str, damage: str, name: str
+) -> None:
+    # Not the download's FileNotFoundError, nor the local temp copy's path: the object on the store.
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    model, optimizer = _fsdp(rig, 0)
+    rig.save(f"{memory_url}/ck", {"model": model, "optimizer": optimizer, "step": 3})
+    version = _version(f"{memory_url}/ck")
+    size = json.loads(_fs().cat_file(f"{version}/meta.json"))["files"][name]["size"]
+    key = f"{version}/{name}"
+    if damage == "delete":
+        _fs().rm_file(key)
+        expected = (
+            rf"{key} is missing; meta\.json lists it \({size} bytes\): the checkpoint was changed after its "
+            r"commit \(1 of its 3 files missing\); load an earlier checkpoint"
+        )
+    else:
+        _fs().pipe_file(key, _fs().cat_file(key)[:-5])
+        expected = rf"{key} is {size - 5} bytes but meta\.json says {size}"
+    _refused_changing_nothing(rig, f"{memory_url}/last", rf"^memory://{expected}")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "auto"])
+def test_a_save_to_a_name_that_is_an_object_is_refused_before_anything_is_written(
+    memory_url: str, strategy: str
+) -> None:
+    # An object store keeps the object ``ck`` beside the prefix ``ck/``: a save there would be
+    # unloadable (a load reads the object ``ck`` first). Refused before any upload, whole or sharded.
+    rig = torchrig.Rig(accelerator="cpu", strategy=strategy)
+    model = _fsdp(rig, 0)[0] if strategy == "fsdp" else nn.Linear(2, 2)
+    root = memory_url.removeprefix("memory://")
+    _fs().pipe_file(f"{root}/ck", b"notes")
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^cannot save to {memory_url}/ck: an object of that name is there, and it is not a torchrig "
+        rf"checkpoint \(one on object storage is the prefix {memory_url}/ck/, its objects under it\); remove the "
+        "object or save under another name",
+    ):
+        rig.save(f"{memory_url}/ck", {"model": model, "step": 1})
+    assert _fs().find(root) == [f"{root}/ck"] and _fs().cat_file(f"{root}/ck") == b"notes"
 
 
 def test_a_death_at_every_change_of_a_sharded_save_leaves_last_loadable(

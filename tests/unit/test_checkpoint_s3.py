@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import torchrig
 from conftest import python_env, trained_mlp
@@ -99,6 +100,29 @@ def test_a_tampered_object_is_refused(bucket: str) -> None:
     fs.pipe_file(key, bytes(data))
     with pytest.raises(CheckpointError, match=r"checksum mismatch in .*state\.pt: SHA-256 is .*, meta\.json says"):
         rig.load(f"s3://{bucket}/last", {"model": model})
+
+
+def test_an_object_deleted_after_the_commit_is_refused_by_its_url(bucket: str) -> None:
+    rig = torchrig.Rig(accelerator="cpu")
+    model, _ = trained_mlp(0)
+    rig.save(f"s3://{bucket}/ck", {"model": model, "step": 1})
+    fs = s3fs.S3FileSystem()
+    (key,) = [k for k in fs.find(f"{bucket}/ck") if k.endswith("/model.safetensors")]
+    fs.rm_file(key)
+    with pytest.raises(CheckpointError, match=rf"^s3://{key} is missing; meta\.json lists it \([0-9]+ bytes\)"):
+        rig.load(f"s3://{bucket}/last", {"model": model})
+
+
+def test_a_save_to_a_name_that_is_an_object_is_refused(bucket: str) -> None:
+    # S3 keeps the object ``ck`` beside the prefix ``ck/``: the save used to upload and commit
+    # there, and every load of it then read the object ``ck`` and refused it as a broken link.
+    fs = s3fs.S3FileSystem()
+    fs.pipe_file(f"{bucket}/ck", b"notes")
+    rig = torchrig.Rig(accelerator="cpu")
+    model, _ = trained_mlp(0)
+    with pytest.raises(CheckpointError, match=rf"^cannot save to s3://{bucket}/ck: an object of that name is there"):
+        rig.save(f"s3://{bucket}/ck", {"model": model, "step": 1})
+    assert fs.find(bucket, refresh=True) == [f"{bucket}/ck"]
 
 
 # One process imports torch once, then for every k forks a child that saves step 2 over step 1
@@ -317,3 +341,18 @@ def test_two_fsdp_ranks_upload_shards_resume_exactly_and_survive_a_kill(bucket: 
     assert torchrig.checkpoint.describe(f"{url}/last")["step"] == 6
     assert len(fs.ls(f"{bucket}/fsdp/step-6", refresh=True)) == 1  # the dead upload was tidied
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/fsdp", refresh=True)) == ["last", "step-4", "step-6"]
+
+    # Saved by 2 ranks, read by 1 process: loaded into FSDP over one rank, and consolidated.
+    final = torch.load(tmp_path / "final.pt")
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    torch.manual_seed(1)
+    model = rig.prepare(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
+    optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=0.05))
+    assert rig.load(f"{url}/last", {"model": model, "optimizer": optimizer}) == {"step": 6}
+    now = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
+    for i, moments in enumerate(optimizer.state.values()):
+        now.update({f"opt.{i}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in moments.items()})
+    assert now.keys() == final.keys() and all(torch.equal(now[k], final[k]) for k in final)
+    weights = load_file(torchrig.checkpoint.consolidate(f"{url}/last", tmp_path / "w.safetensors"))
+    assert {f"model.{k}" for k in weights} == {k for k in final if k.startswith("model.")}
+    assert all(torch.equal(weights[k], final[f"model.{k}"]) for k in weights)

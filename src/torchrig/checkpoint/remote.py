@@ -175,14 +175,37 @@ def fetched(path: str | os.PathLike[str]) -> Iterator[Path]:
     if url is None:
         yield resolve_checkpoint(local_path(path))
         return
-    fs, version, _, raw = locate(url)
+    fs, version, origin, raw = locate(url)
     with staging() as folder:
-        (folder / META).write_bytes(raw)
-        meta = read_meta(folder)  # the names it lists are plain file names (checked)
-        names = list(meta["files"])
-        if names:
-            fs.get([f"{version}/{n}" for n in names], [str(folder / n) for n in names])
-        yield folder
+        try:
+            (folder / META).write_bytes(raw)
+            meta = read_meta(folder)  # the names it lists are plain file names (checked)
+            _download(fs, version, origin, meta["files"], folder)
+            yield folder
+        except CheckpointError as err:  # the reader's refusal names the stored object, not the temp copy
+            if str(folder) not in str(err):
+                raise
+            raise CheckpointError(str(err).replace(str(folder), origin)).with_traceback(err.__traceback__) from None
+
+
+def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any]], folder: Path) -> None:
+    """The objects ``files`` lists, from ``version`` into ``folder``; one that is gone is refused
+    as a local load refuses a missing file (the checkpoint was changed after its commit)."""
+    names = list(files)
+    if not names:
+        return
+    try:
+        fs.get([f"{version}/{n}" for n in names], [str(folder / n) for n in names])
+    except FileNotFoundError:
+        stored = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(version, detail=False)}
+        missing = [n for n in names if n not in stored]
+        if not missing:
+            raise
+        raise CheckpointError(
+            f"{origin}/{missing[0]} is missing; {META} lists it ({files[missing[0]]['size']} bytes): the "
+            f"checkpoint was changed after its commit ({len(missing)} of its {len(names)} files missing); "
+            "load an earlier checkpoint"
+        ) from None
 
 
 def remote_origin(path: str | os.PathLike[str]) -> str | None:
@@ -210,11 +233,18 @@ def _remove(fs: Any, prefix: str) -> None:
 
 
 def begin(target: CheckpointURL, link: str | None) -> str:
-    """A new save of ``target``: the ``link`` beside it checked (a folder there is refused before
-    anything is written), and the name of the version prefix its files go under,
-    ``v-<ordinal>-<random>``. The ordinal is the save's time in ns, but always above every
-    version already under the name (a clock that jumped back never hides the new version)."""
+    """A new save of ``target``: ``target`` itself and the ``link`` beside it checked (an object
+    named ``target``, or a folder at ``link``, is refused before anything is written), and the
+    name of the version prefix its files go under, ``v-<ordinal>-<random>``. The ordinal is the
+    save's time in ns, but always above every version already under the name (a clock that
+    jumped back never hides the new version)."""
     fs, root = _filesystem(target)
+    if fs.isfile(root):  # an object store keeps an object NAME beside the prefix NAME/: loads would read it
+        raise CheckpointError(
+            f"cannot save to {target}: an object of that name is there, and it is not a torchrig checkpoint "
+            f"(one on object storage is the prefix {target}/, its objects under it); remove the object or "
+            "save under another name"
+        )
     if link is not None and fs.isdir(f"{root.rsplit('/', 1)[0]}/{link}"):
         raise CheckpointError(
             f"cannot update the {link!r} link: {target.parent / link} holds objects (it is not a torchrig link "

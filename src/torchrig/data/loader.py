@@ -131,6 +131,9 @@ class RigDataLoader:
         self._loader_state: dict[str, Any] | None = None
         #: True: read an epoch without a length one batch ahead, to know its last batch.
         self.look_ahead = False
+        #: The batches of an epoch the loop takes at most (the Trainer's ``limit_train_batches``,
+        #: counted from the epoch's start): the look-ahead reads nothing past them.
+        self.epoch_limit: float = math.inf
         #: Whether the batch last given out is the last of its epoch, as the look-ahead found
         #: (always False for a loader with a length, or without ``look_ahead``).
         self.at_last_batch = False
@@ -218,9 +221,10 @@ class RigDataLoader:
         self._unfinished = False
 
     def _read_ahead(self, it: Iterator[Any]) -> Iterator[Any]:
-        """``it``'s batches, each given out once the next one is read (or the epoch has ended:
-        then :attr:`at_last_batch` is set). A stateful stream's position is taken before the next
-        batch is read, so a checkpoint holds the position after the batch given out."""
+        """``it``'s batches, each given out once the next one is read (or the epoch has ended,
+        or reached :attr:`epoch_limit`: then :attr:`at_last_batch` is set). A stateful stream's
+        position is taken before the next batch is read, so a checkpoint holds the position after
+        the batch given out."""
         stateful = isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader)
         position = self.loader.state_dict if stateful else None  # type: ignore[attr-defined]
         try:
@@ -229,10 +233,13 @@ class RigDataLoader:
             return
         while True:
             after = None if position is None else position()
-            try:
-                following = next(it)
-            except StopIteration:
-                self.at_last_batch = True
+            if self.batches_seen + 1 >= self.epoch_limit:  # (counted once this batch is given out)
+                self.at_last_batch = True  # the last the loop takes: the batch after it stays unread
+            else:
+                try:
+                    following = next(it)
+                except StopIteration:
+                    self.at_last_batch = True
             self._position = after
             yield batch
             if self.at_last_batch:

@@ -197,6 +197,7 @@ class Run(StepHooks):
             # reading one batch ahead; without accumulation nothing needs it (and the stream's
             # batches are made when the loop asks, as in a hand-written loop).
             loader.look_ahead = tr.accumulate_grad_batches > 1
+            loader.epoch_limit = n  # a limited epoch's last batch reads nothing after it
             # Starting the epoch's iterator (workers, a sampler's shuffle) is data loading too.
             batches = iter(loader) if tr.profiler is None else tr.profiler.wrap(DATA, iter)(loader)
             try:
