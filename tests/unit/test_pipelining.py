@@ -204,7 +204,7 @@ def test_the_model_outside_the_schedule_runs_forward_only_and_its_parts_refuse()
 
 
 def test_a_loss_with_a_graph_under_pipeline_parallel_is_refused() -> None:
-    from torchrig.trainer.loops import _backward_ran
+    from torchrig.trainer.step_runner import _backward_ran
 
     _backward_ran(torch.ones(()))  # the schedule's loss: detached, its backward done
     with pytest.raises(

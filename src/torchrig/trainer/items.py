@@ -1,6 +1,6 @@
 """``ItemWindow``: the token-weighted gradient of one optimizer step, for a ``training_step``
-that returns ``{"loss": loss_sum, "num_items": n}`` (see :mod:`torchrig.trainer.loops`, whose
-training step uses it)."""
+that returns ``{"loss": loss_sum, "num_items": n}`` (see :mod:`torchrig.trainer.step_runner`,
+whose training step uses it)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchrig.data import length_of
 from torchrig.preemption import SignalWatch
 from torchrig.trainer.callbacks import EVENTS, active_hooks, overrides, sparse_batch_end_hooks, with_trainer
 from torchrig.trainer.metrics import MetricStore
@@ -29,6 +30,20 @@ from torchrig.wrappers import RigModule
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
+
+
+def num_batches(loader: Any, limit: int | float) -> int | float:
+    """How many batches of ``loader`` a loop runs under ``limit_*_batches``."""
+    length = length_of(loader)
+    if isinstance(limit, int):
+        return min(limit, length)
+    if math.isinf(length):
+        if limit == 1.0:
+            return length
+        raise ValueError(
+            f"limit_*_batches={limit} is a fraction, but the dataloader has no length; give an int number of batches"
+        )
+    return int(length * limit)
 
 
 @dataclass

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchrig import arguments
-from torchrig.trainer import loops
 from torchrig.trainer.callbacks import Callback, EventSchedule
+from torchrig.trainer.step_runner import loss_of
 
 if TYPE_CHECKING:
     from torchrig.trainer.module import TrainingModule
@@ -111,7 +111,7 @@ class SpikeDetection(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = loops.loss_of(outputs)
+        loss = loss_of(outputs)
         if loss is not None and self.check(trainer, loss.detach(), batch_idx):
             raise TrainingSpikeException(batch_idx)
 

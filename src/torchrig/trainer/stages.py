@@ -24,7 +24,7 @@ from torchrig.diagnostics import warn_at_caller
 from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, restart_count
 from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
-from torchrig.trainer import debugging, loops, settings
+from torchrig.trainer import debugging, eval_loops, loops, settings
 from torchrig.trainer.callbacks import TRANSFER_HOOKS, Callback, merge_callbacks, overrides, unknown_hooks
 from torchrig.trainer.checkpointing import checkpoint_epoch, default_checkpoint_dir, previous_run_last
 from torchrig.trainer.datamodule import DataModule
@@ -133,7 +133,7 @@ def run_eval_stage(
         if stage == "predict":
             result: Any = tr.run.predict()
         else:
-            result = loops.metrics_as_floats(tr.run.evaluate(stage))
+            result = eval_loops.metrics_as_floats(tr.run.evaluate(stage))
         _finalize_loggers(tr, "success")
         return result
     except BaseException as exc:

@@ -24,6 +24,7 @@ from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.logger_base import Logger
 from torchrig.trainer.module import SchedulerConfig, TrainingModule
 from torchrig.trainer.profiler import Profiler, resolve_profiler
+from torchrig.trainer.run import num_batches
 
 Limit = int | float
 
@@ -331,7 +332,7 @@ class Trainer:
     @property
     def num_training_batches(self) -> int | float:
         loader = self.run.train_loader
-        return 0 if loader is None else loops.num_batches(loader, self.limit_train_batches)
+        return 0 if loader is None else num_batches(loader, self.limit_train_batches)
 
     @property
     def estimated_stepping_batches(self) -> int | float:
@@ -352,15 +353,15 @@ class Trainer:
 
     @property
     def num_val_batches(self) -> list[int | float]:
-        return [loops.num_batches(d, self.limit_val_batches) for d in self.run.eval_loaders["validate"]]
+        return [num_batches(d, self.limit_val_batches) for d in self.run.eval_loaders["validate"]]
 
     @property
     def num_test_batches(self) -> list[int | float]:
-        return [loops.num_batches(d, self.limit_test_batches) for d in self.run.eval_loaders["test"]]
+        return [num_batches(d, self.limit_test_batches) for d in self.run.eval_loaders["test"]]
 
     @property
     def num_predict_batches(self) -> list[int | float]:
-        return [loops.num_batches(d, self.limit_predict_batches) for d in self.run.eval_loaders["predict"]]
+        return [num_batches(d, self.limit_predict_batches) for d in self.run.eval_loaders["predict"]]
 
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig.data import RigDataLoader
-from torchrig.trainer import loops
 from torchrig.trainer.metrics import MetricStore
+from torchrig.trainer.step_runner import loss_of
 
 if TYPE_CHECKING:
     from torchrig.trainer.datamodule import DataModule
@@ -55,7 +55,7 @@ def one_optimizer(who: str, module: TrainingModule, optimizers: list[Any]) -> An
 def train_batch(tr: Trainer, prepared: Any, optimizer: Any, batch: Any, batch_idx: int, *, who: str) -> torch.Tensor:
     """One optimizer step on ``batch`` through the Rig (the module's ``training_step``, backward,
     the Trainer's gradient clipping, step, zero_grad); the loss, on the device."""
-    loss = loops.loss_of(prepared.step_caller(prepared.module.training_step)(batch, batch_idx))
+    loss = loss_of(prepared.step_caller(prepared.module.training_step)(batch, batch_idx))
     if loss is None:
         raise ValueError(f"{who}: training_step returned None for batch {batch_idx}; it must return a loss")
     tr.rig.backward(loss)
