@@ -153,3 +153,18 @@ def test_resume_with_another_batch_size_continues_at_the_same_sample(tmp_path: P
     fresh = quiet_trainer(tmp_path / "fresh", max_epochs=1, seed=7, callbacks=[Record()])
     fresh.fit(Regressor(), loader(36, batch_size=6, shuffle=True))
     assert all(torch.equal(a, b) for (_, _, a), b in zip(seen, order[2:], strict=True))
+
+
+def test_save_checkpoint_without_a_run_in_this_process_says_where_the_run_is(tmp_path: Path) -> None:
+    """Before any fit there is no run to save; under ddp_spawn the runs live in the started
+    processes, and the launching process is told what it holds and where to save instead."""
+    trainer = quiet_trainer(tmp_path, max_epochs=1)
+    with pytest.raises(RuntimeError, match=r"saves a run: call fit/validate/test/predict with a module first"):
+        trainer.save_checkpoint(tmp_path / "ck")
+    spawn = quiet_trainer(tmp_path, max_epochs=1, devices=2, strategy="ddp_spawn")
+    with pytest.raises(RuntimeError) as err:
+        spawn.save_checkpoint(tmp_path / "ck")
+    text = str(err.value)
+    assert "under DDPStrategy (ddp_spawn, ddp_notebook) the runs live in the processes" in text
+    assert "holds the trained weights (module.state_dict())" in text and "ModelCheckpoint" in text
+    assert not (tmp_path / "ck").exists()

@@ -438,6 +438,8 @@ class Trainer:
         ``blocking=False``: ``rig.save``'s background save; returns its
         :class:`~torchrig.checkpoint.SaveHandle` (the loggers hear of the checkpoint once it is committed).
         """
+        if self.run.prepared_module is None:
+            raise RuntimeError(self._no_run_to_save())
         state = stages.checkpoint_state(self)
         hparams = getattr(self.module, "hparams", None)
         if hparams:  # plain data (save_hyperparameters checked it): load_from_checkpoint builds the module from it
@@ -459,3 +461,15 @@ class Trainer:
         else:
             committed(saved)
         return saved
+
+    def _no_run_to_save(self) -> str:
+        """Why ``save_checkpoint`` has nothing to save in this process, and what to do."""
+        if self.rig.strategy.needs_launch:
+            return (
+                f"trainer.save_checkpoint() saves a run, and under {type(self.rig.strategy).__name__} (ddp_spawn, "
+                "ddp_notebook) the runs live in the processes each fit/validate/test starts; this launching process "
+                "holds the trained weights (module.state_dict()) and where the fit ended, not the optimizers or the "
+                "data's position. Save during the fit (ModelCheckpoint: trainer.checkpoint_callback.best_model_path "
+                "and its 'last'), or call trainer.save_checkpoint() from a callback or hook inside it"
+            )
+        return "trainer.save_checkpoint() saves a run: call fit/validate/test/predict with a module first"
