@@ -15,10 +15,11 @@ from torchrig.commands.run import failure_summary
 @pytest.mark.timeout(100)
 def test_a_script_that_fails_before_rig_shows_its_error(tmp_path: Path) -> None:
     script = tmp_path / "boom.py"
-    script.write_text('import torchrig\n\nraise ValueError("boom")\n')
+    # One rank fails (two tracebacks written at once can interleave character by character)
+    script.write_text('import os\n\nimport torchrig\n\nif os.environ["RANK"] == "1":\n    raise ValueError("boom")\n')
     proc = run(["-m", "torchrig.cli", "run", "--devices", "2", "--accelerator", "cpu", str(script)])
     assert proc.returncode == 1, explain(proc)
-    assert f'File "{script}", line 3, in <module>' in proc.stderr, explain(proc)
+    assert f'File "{script}", line 6, in <module>' in proc.stderr, explain(proc)
     assert "ValueError: boom" in proc.stderr, explain(proc)
     assert "To enable traceback" not in proc.stderr + proc.stdout, explain(proc)
     assert "Root Cause" not in proc.stderr, explain(proc)  # torchrun's summary is replaced by one line

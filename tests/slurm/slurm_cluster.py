@@ -202,12 +202,18 @@ class SlurmCluster:
         (``scontrol update`` fields such as ``TimeLimit=5``) for its next run."""
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
+        held_since: float | None = None
         while time.monotonic() < deadline:
             info = self.job(job_id)
             if info.get("JobState") in states:
                 return info
             if release and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", *update, check=False)
+                held_since = time.monotonic() if held_since is None else held_since
+                # slurmd revokes the job's credential when its previous run is killed and refuses a new
+                # one issued in the same second ("Killing non-startable batch JobId=N: Job credential
+                # revoked"): SLURM's own hold is far longer; 2 s is enough.
+                if time.monotonic() - held_since >= 2.0:
+                    self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", *update, check=False)
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} is not {'/'.join(states)} after {timeout:.0f} s: {info}\n{self.logs()}")
 
