@@ -202,13 +202,13 @@ def test_the_rig_recipe_in_one_process_steps_like_one_batch(clip: bool) -> None:
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_plain_loss_never_counts_nor_scales(monkeypatch: pytest.MonkeyPatch, accumulate: int) -> None:
-    from torchrig.trainer import loops
+    from torchrig.trainer import step_runner
 
     def refuse(*args: Any) -> None:
         raise AssertionError("a plain loss reached the token-weighted path")
 
-    monkeypatch.setattr(loops.ItemWindow, "add", refuse)
-    monkeypatch.setattr(loops.ItemWindow, "finish", refuse)
+    monkeypatch.setattr(step_runner.ItemWindow, "add", refuse)
+    monkeypatch.setattr(step_runner.ItemWindow, "finish", refuse)
     monkeypatch.setattr(torch.distributed, "all_reduce", refuse)
     fit_returning(lambda i, loss: loss, accumulate=accumulate, steps=2)
     fit_returning(lambda i, loss: {"loss": loss}, accumulate=accumulate, steps=2)
