@@ -4,11 +4,13 @@ rest of an epoch's batch order after a resume, skipped at the index level."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Iterator, Sized
+from itertools import islice
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, Sampler
 
 
 class ResumableSampler(Sampler[int]):
@@ -68,6 +70,29 @@ class ResumableSampler(Sampler[int]):
         return self.num_samples
 
 
+def _skipped(index_sampler: Iterable[Any], skip: int) -> Iterator[Any]:
+    """``iter(index_sampler)`` after its first ``skip`` items, skipped without a Python step each.
+
+    torch's own ``BatchSampler`` skips ``skip x batch_size`` indices of its sampler instead of
+    building the skipped batches (the cost of a resume then hardly grows with how far into the
+    epoch it is), and batches the rest as it would (``drop_last`` included)."""
+    if type(index_sampler) is BatchSampler:
+        indices = iter(index_sampler.sampler)
+        deque(islice(indices, skip * index_sampler.batch_size), maxlen=0)
+        return _batched(indices, index_sampler.batch_size, index_sampler.drop_last)
+    it = iter(index_sampler)
+    deque(islice(it, skip), maxlen=0)
+    return it
+
+
+def _batched(indices: Iterator[int], size: int, drop_last: bool) -> Iterator[list[int]]:
+    """Lists of ``size`` indices, as ``BatchSampler`` makes them (a shorter last one unless ``drop_last``)."""
+    while batch := list(islice(indices, size)):
+        if len(batch) < size and drop_last:
+            return
+        yield batch
+
+
 class ResumedIndices:
     """The rest of an epoch of ``index_sampler`` (a batch sampler, or a sampler without
     batching) after its first ``skip`` items: skipped as indices, no sample is read for them.
@@ -84,10 +109,7 @@ class ResumedIndices:
 
     def start(self) -> None:
         if self._it is None:
-            self._it = iter(self.index_sampler)
-            for _ in range(self.skip):
-                if next(self._it, None) is None:
-                    break
+            self._it = _skipped(self.index_sampler, self.skip)
 
     def __iter__(self) -> Iterator[Any]:
         # Lazy, as a sampler's own iterator is: the DataLoader calls iter() before it draws the
