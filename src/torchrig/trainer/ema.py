@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from torchrig import arguments
+from torchrig.dtensors import is_dtensor
 from torchrig.trainer.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class EMA(Callback):
             live.append(t)
             shadow.append(copy)
         self.averaged, self._module, self._live, self._shadow = averaged, module, live, shadow
-        self._sharded = any(_is_dtensor(t) for t in live)
+        self._sharded = any(is_dtensor(t) for t in live)
         self.updates = self.swa_updates = 0
         self._last_step = -1
 
@@ -201,9 +202,5 @@ def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
     node.register_buffer(leaf, tensor)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "placements")
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined,no-any-return]
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined,no-any-return]
