@@ -1,5 +1,6 @@
 """The Trainer's entry points (fit, validate/test/predict) as each process runs them: launching,
-set-up, the loop, errors, teardown and checkpoints."""
+set-up, the loop, errors and teardown. What a fit's checkpoint holds and how a fit resumes from
+one is :mod:`torchrig.trainer.resume`."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from torchrig import speedups
-from torchrig.checkpoint import read_summary
-from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
+from torchrig.checkpoint.remote import CheckpointURL
 from torchrig.clusters import CLUSTER_ENVIRONMENTS
 from torchrig.data import RigDataLoader
 from torchrig.diagnostics import warn_at_caller
@@ -26,9 +26,9 @@ from torchrig.preemption import Preempted, SignalWatch, restart_count
 from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
 from torchrig.trainer import debugging, eval_loops, loops, settings
 from torchrig.trainer.callbacks import TRANSFER_HOOKS, Callback, merge_callbacks, overrides, unknown_hooks
-from torchrig.trainer.checkpointing import checkpoint_epoch, default_checkpoint_dir, previous_run_last
 from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.module import TrainingModule, parse_optimizers
+from torchrig.trainer.resume import align_batch_index, auto_resume, resolve_path, resume
 from torchrig.trainer.summary import summary_table
 from torchrig.wrappers import RigModule
 
@@ -72,9 +72,9 @@ def run_fit_stage(
         tr.run.train_metrics.reset()
         tr.run.epoch_metrics.clear()
         if ckpt_path is None and tr.auto_resume and restart_count() > 0:
-            _auto_resume(tr)
+            auto_resume(tr)
         elif ckpt_path is not None:
-            _resume(tr, ckpt_path)
+            resume(tr, ckpt_path)
         hparams = getattr(module, "hparams", None)
         if hparams and tr.enable_autolog_hparams:
             for lg in tr.loggers:
@@ -127,7 +127,7 @@ def run_eval_stage(
             )
         tr.run.eval_loaders[stage] = _prepare_loaders(tr, loaders, "dataloaders")
         if ckpt_path is not None:
-            path = _resolve_path(tr, ckpt_path)
+            path = resolve_path(tr, ckpt_path)
             if path is not None:
                 tr.rig.load(path, {"module": prepared})
         if stage == "predict":
@@ -371,7 +371,7 @@ def remake_fit_setup(tr: Trainer, *, loaders: bool, optimizers: bool) -> None:
             if isinstance(old, RigDataLoader) and isinstance(new, RigDataLoader) and old is not new:
                 new.load_state_dict(old.state_dict())
         if run.resumed:
-            _align_batch_index(tr)
+            align_batch_index(tr)
         run.check_training_batches()
     if optimizers:
         configure_optimizers(tr, run.require_module())
@@ -429,121 +429,3 @@ def _prepare_loaders(tr: Trainer, loaders: Any, what: str) -> list[Any]:
         return []
     items = list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
     return _moves_batches(tr, [_prepare_loader(tr, d, what) for d in items])
-
-
-# -- checkpoints ----------------------------------------------------------------------------------
-def checkpoint_state(tr: Trainer) -> dict[str, Any]:
-    """The objects and values a checkpoint of this run holds (filled in place on resume)."""
-    state: dict[str, Any] = {"module": tr.run.prepared_module, "precision": tr.rig.precision}
-    for i, opt in enumerate(tr.optimizers):
-        state[f"optimizer_{i}"] = opt
-    for i, cfg in enumerate(tr.lr_scheduler_configs):
-        state[f"scheduler_{i}"] = cfg.scheduler
-    if tr.run.train_loader is not None:
-        state["train_loader"] = tr.run.train_loader
-    state["loop"] = tr.fit_state
-    state["train_metrics"] = tr.run.train_metrics
-    state["callbacks"] = {cb.state_key: cb.state_dict() for cb in tr.callbacks}
-    for cb in tr.callbacks:  # tensors a callback keeps (EMA's average): module entries of their own
-        state.update({f"{cb.state_key}.{name}": m for name, m in cb.checkpoint_modules(tr).items()})
-    # The epoch its name shows (epoch=E), not the loop's counter, which a save between epochs
-    # (the end of a fit) has already advanced past the epoch its last step trained in.
-    state["step"], state["epoch"] = tr.fit_state.global_step, checkpoint_epoch(tr)
-    return {k: v for k, v in state.items() if v is not None}
-
-
-def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | CheckpointURL | None:
-    cb = tr.checkpoint_callback
-    if str(ckpt_path) == "best":
-        if cb is None or not cb.best_model_path:
-            raise ValueError(
-                "ckpt_path='best' needs a ModelCheckpoint that has saved a checkpoint in this Trainer; "
-                "give the checkpoint's path, or 'last'"
-            )
-        return as_url(cb.best_model_path) or Path(cb.best_model_path)
-    if str(ckpt_path) != "last":
-        return as_url(ckpt_path) or Path(local_path(ckpt_path))
-    link = _last_link(tr)
-    if not lexists(link):
-        warnings.warn(f"ckpt_path='last': there is no checkpoint at {link} yet; starting from scratch", stacklevel=4)
-        return None
-    return link
-
-
-def _last_link(tr: Trainer) -> Path | CheckpointURL:
-    """What ``ckpt_path="last"`` names: ``last`` in the checkpoint folder; in the default folder
-    (a new run's) without one, the ``last`` of the newest earlier run beside it.
-
-    A ``last`` link that exists but points nowhere (a save was killed while replacing its
-    checkpoint) is loaded: rig.load finds the previous copy, or raises; it never means "no checkpoint".
-    """
-    cb = tr.checkpoint_callback
-    link = (cb.resolve_dirpath(tr) if cb is not None else default_checkpoint_dir(tr)) / "last"
-    if not lexists(link) and (cb is None or cb.dirpath is None):
-        link = previous_run_last(tr) or link
-    return link
-
-
-def _auto_resume(tr: Trainer) -> None:
-    """A restarted job's fit without ``ckpt_path``: resume from the newest ``last``, if any."""
-    link, count = _last_link(tr), restart_count()
-    if not lexists(link):
-        tr.rig.print(f"torchrig: restart {count} of this job: no checkpoint at {link} yet; starting from scratch")
-        return
-    tr.rig.print(f"torchrig: restart {count} of this job: resuming from {link} (auto_resume=False turns this off)")
-    _resume(tr, link)
-
-
-def _resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
-    """Load everything back; the loop continues at the batch after the one saved.
-
-    The callbacks' state is loaded first, then ``on_restore_optimizers`` runs, then the
-    optimizers, schedulers, module and the rest are loaded (``rig.load(..., prepare=)``)."""
-    path = _resolve_path(tr, ckpt_path)
-    if path is None:
-        return
-    if tr.reload_dataloaders_every_n_epochs:  # the loaders of the epoch it last trained in, before loading their place
-        epoch = read_summary(path).get("epoch")
-        tr.run.reload_for_resume(int(epoch) if isinstance(epoch, int) else 0)
-    state = checkpoint_state(tr)
-
-    def restore_callbacks(values: dict[str, Any]) -> None:
-        # Before the optimizers and schedulers: a callback that changed them in the saved run
-        # (param groups added, a scheduler swapped in) makes them so again, so that they load.
-        saved = values.get("callbacks", {})
-        for cb in tr.callbacks:
-            if cb.state_key in saved:
-                cb.load_state_dict(saved[cb.state_key])
-        tr.run.emit("on_restore_optimizers")
-        state.update(checkpoint_state(tr))
-
-    left = tr.rig.load(path, state, prepare=restore_callbacks)
-    _align_batch_index(tr)
-    if isinstance(path, CheckpointURL):  # retention never touches object storage it did not write
-        tr.run.resumed_from, shown = None, str(path)
-    else:
-        tr.run.resumed_from = path.resolve()
-        shown = f"{path} -> {tr.run.resumed_from.name}" if path.is_symlink() else str(tr.run.resumed_from)
-    fs = tr.fit_state
-    epoch = fs.epoch + 2 if fs.epoch_finished else fs.epoch + 1  # counted from 1, as the progress bar does
-    mid = fs.batch_idx and not fs.epoch_finished
-    where = f"in epoch {epoch} after {fs.batch_idx} batches" if mid else f"with epoch {epoch}"
-    tr.rig.print(f"torchrig: resumed from {shown}: continues {where}, step {fs.global_step}")
-    tr.run.emit("on_load_checkpoint", left.get("callback_extras", {}))
-    tr.run.resumed = True
-
-
-def _align_batch_index(tr: Trainer) -> None:
-    """Count the resumed epoch's batches in this run's batches.
-
-    A checkpoint from another number of processes (or batch size) is converted by the loader
-    through the global sample position; the fit state's batch index must follow it, or the end
-    of the epoch (validation, the last accumulation boundary) would come at the wrong batch.
-    """
-    loader, state = tr.run.train_loader, tr.fit_state
-    if not isinstance(loader, RigDataLoader) or state.epoch_finished:
-        return
-    if loader.epoch == state.epoch:
-        state.batch_idx = loader.batches_seen
-    elif loader.epoch == state.epoch + 1 and loader.batches_seen == 0:
-        state.batch_idx = len(loader)  # the saved position was the end of that epoch's data

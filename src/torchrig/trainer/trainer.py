@@ -17,7 +17,7 @@ from torchrig.checkpoint.background import SaveHandle
 from torchrig.checkpoint.remote import CheckpointURL, as_url, local_path
 from torchrig.preemption import SignalsLike, resolve_requeue_signal, resolve_signals
 from torchrig.rig import Rig
-from torchrig.trainer import debugging, loops, settings, stages
+from torchrig.trainer import debugging, loops, resume, settings, stages
 from torchrig.trainer.callbacks import Callback
 from torchrig.trainer.checkpointing import ModelCheckpoint
 from torchrig.trainer.datamodule import DataModule
@@ -440,7 +440,7 @@ class Trainer:
         """
         if self.run.prepared_module is None:
             raise RuntimeError(self._no_run_to_save())
-        state = stages.checkpoint_state(self)
+        state = resume.checkpoint_state(self)
         hparams = getattr(self.module, "hparams", None)
         if hparams:  # plain data (save_hyperparameters checked it): load_from_checkpoint builds the module from it
             state["hparams"] = dict(hparams)
