@@ -10,16 +10,15 @@ import signal
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from torchrig import arguments, checkpoint, gather, speedups
+from torchrig import arguments, gather, speedups
 from torchrig.accelerators import Accelerator
-from torchrig.checkpoint.background import BackgroundSaves, SaveHandle
+from torchrig.checkpoint.background import BackgroundSaves
 from torchrig.data import RigDataLoader
 from torchrig.fp8 import FP8Mixed
 from torchrig.nested import apply_to_tensors, move_to_device
@@ -27,16 +26,14 @@ from torchrig.precision import Precision
 from torchrig.preemption import SignalsLike, SignalWatch, resolve_signals
 from torchrig.preparing import Preparing
 from torchrig.resolve import Plan, resolve
+from torchrig.save_load import SaveLoad
 from torchrig.strategies import Strategy
 from torchrig.strategies.base import check_reduce_op
 from torchrig.strategies.launch import launch_first
 from torchrig.wrappers import RigModule, RigOptimizer, as_prepared
 
-if TYPE_CHECKING:
-    from torchrig.checkpoint.remote import CheckpointURL
 
-
-class Rig(Preparing):
+class Rig(Preparing, SaveLoad):
     """Runs a hand-written training loop on any accelerator, precision and process layout.
 
     Args:
@@ -372,74 +369,6 @@ class Rig(Preparing):
 
         See :func:`torchrig.gather.gather_for_metrics`."""
         return gather.gather_for_metrics(self, obj)
-
-    # -- checkpoints -----------------------------------------------------------------------
-    @overload
-    def save(
-        self,
-        path: str | os.PathLike[str],
-        state: dict[str, Any],
-        *,
-        keep_last: int | None = ...,
-        link: str | None = ...,
-        blocking: Literal[True] = ...,
-    ) -> Path | CheckpointURL: ...
-
-    @overload
-    def save(
-        self,
-        path: str | os.PathLike[str],
-        state: dict[str, Any],
-        *,
-        keep_last: int | None = ...,
-        link: str | None = ...,
-        blocking: Literal[False],
-    ) -> SaveHandle: ...
-
-    @overload
-    def save(
-        self,
-        path: str | os.PathLike[str],
-        state: dict[str, Any],
-        *,
-        keep_last: int | None = ...,
-        link: str | None = ...,
-        blocking: bool,
-    ) -> Path | CheckpointURL | SaveHandle: ...
-
-    def save(
-        self,
-        path: str | os.PathLike[str],
-        state: dict[str, Any],
-        *,
-        keep_last: int | None = None,
-        link: str | None = "last",
-        blocking: bool = True,
-    ) -> Path | CheckpointURL | SaveHandle:
-        """Save ``state`` atomically to the checkpoint directory ``path`` (see :mod:`torchrig.checkpoint`).
-
-        ``blocking=False`` returns a :class:`~torchrig.checkpoint.SaveHandle` once a snapshot is
-        taken; the files are written in the background (docs/checkpoints.md, "Async saves").
-        """
-        saved = checkpoint.save(self, path, state, keep_last=keep_last, link=link, blocking=blocking)
-        if not isinstance(saved, SaveHandle):
-            self.strategy.record_progress()  # for the crash-loop check of torchrun restarts
-        else:
-            saved.add_commit_hook(lambda _: self.strategy.record_progress())
-        return saved
-
-    def load(
-        self,
-        path: str | os.PathLike[str],
-        state: dict[str, Any] | None = None,
-        strict: bool = True,
-        *,
-        prepare: Callable[[dict[str, Any]], None] | None = None,
-    ) -> dict[str, Any]:
-        """Load a checkpoint into the objects of ``state`` in place; returns what is left over.
-        ``prepare(values)`` runs once the files are checked, before any object is compared or
-        loaded (see :func:`torchrig.checkpoint.load`)."""
-        return checkpoint.load(self, path, state, strict=strict, prepare=prepare)
 
 
 def _run_launched(rig: Rig, fn: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
