@@ -603,3 +603,38 @@ def test_a_file_given_as_a_checkpoint_says_what_it_is_and_how_to_read_it(
         assert capsys.readouterr().err == f"error: {path} is {what}\n"
         assert path.read_bytes() == before
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+class _Tiny(torchrig.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise AssertionError("a wrong ckpt_path is refused before the first step")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("path", [5, None, b"ck"], ids=["int", "None", "bytes"])
+def test_a_path_of_the_wrong_type_is_named(rig: torchrig.Rig, path: Any, tmp_path: Path) -> None:
+    """It was os.fspath's 'expected str, bytes or os.PathLike object, not int', naming no argument."""
+    import contextlib
+
+    kind = type(path).__name__
+    with contextlib.chdir(tmp_path):
+        with pytest.raises(
+            TypeError, match=rf"^path={re.escape(repr(path))} must be a path \(str or os.PathLike\), not {kind}$"
+        ):
+            rig.save(path, {"step": 1})
+        with pytest.raises(
+            TypeError, match=rf"^path={re.escape(repr(path))} must be a path \(str or os.PathLike\), not {kind}$"
+        ):
+            rig.load(path, {"step": 1})
+        trainer = torchrig.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_epochs=1)
+        if path is not None:  # None: no checkpoint
+            with pytest.raises(TypeError, match=rf"^ckpt_path={re.escape(repr(path))} must be a path"):
+                data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 4)))
+                trainer.fit(_Tiny(), data, ckpt_path=path)
+    assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch.utils.data import DataLoader
 
-from torchrig import speedups
+from torchrig import arguments, speedups
 from torchrig.checkpoint import read_summary
 from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
 from torchrig.clusters import CLUSTER_ENVIRONMENTS
@@ -454,6 +454,7 @@ def checkpoint_state(tr: Trainer) -> dict[str, Any]:
 
 def _resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | CheckpointURL | None:
     cb = tr.checkpoint_callback
+    arguments.path("ckpt_path", ckpt_path)
     if str(ckpt_path) == "best":
         if cb is None or not cb.best_model_path:
             raise ValueError(
