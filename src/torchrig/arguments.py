@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 # The seeds torch.manual_seed accepts.
@@ -76,6 +77,24 @@ def path(name: str, value: Any) -> str | os.PathLike[str]:
     """A filesystem path: ``str`` or ``os.PathLike``."""
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name}={shown(value)} must be a path (str or os.PathLike), not {type(value).__name__}")
+    return value
+
+
+def file_in_the_way(path_: str | os.PathLike[str]) -> Path | None:
+    """The first of ``path_`` and its parents that exists and is not a directory (so no directory
+    can be made at ``path_``), or None."""
+    p = Path(path_)
+    return next((q for q in (p, *p.parents) if os.path.lexists(q) and not q.is_dir()), None)
+
+
+def directory(name: str, value: Any, hint: str = "") -> str | os.PathLike[str]:
+    """A local path where a directory is, or can be made: neither it nor a parent is a file."""
+    blocking = file_in_the_way(path(name, value))
+    if blocking is not None:
+        raise ValueError(
+            f"{name}={os.fspath(value)!r} must be a directory, but {blocking} exists and is not one; pass a folder, "
+            f"or a path that does not exist yet{hint}"
+        )
     return value
 
 

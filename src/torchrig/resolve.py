@@ -66,6 +66,10 @@ def auto_accelerator_name() -> str:
     return acc.type
 
 
+#: What every Accelerator subclass must define (the base class's raise NotImplementedError).
+_ACCELERATOR_API = ("parse_devices", "get_parallel_devices", "auto_device_count", "is_available")
+
+
 def resolve_accelerator(accelerator: Any) -> Accelerator:
     """An :class:`Accelerator` from a name, a class, or an instance."""
     if isinstance(accelerator, Accelerator):
@@ -78,6 +82,13 @@ def resolve_accelerator(accelerator: Any) -> Accelerator:
         raise TypeError(
             f"accelerator={accelerator!r} must be a name ({', '.join(ACCELERATOR_REGISTRY.names())}, "
             "auto, gpu) or an Accelerator instance"
+        )
+    missing = [m for m in _ACCELERATOR_API if getattr(type(acc), m) is getattr(Accelerator, m)]
+    if missing:
+        raise TypeError(
+            f"accelerator={acc!r} does not define {', '.join(missing)}; a subclass of "
+            f"torchrig.Accelerator defines the static methods {', '.join(_ACCELERATOR_API)} "
+            "(examples/custom_accelerator.py is a complete one)"
         )
     if not acc.is_available():
         available = ", ".join(ACCELERATOR_REGISTRY.available_accelerators())

@@ -145,3 +145,29 @@ def test_two_processes_agree_on_the_run_folder_and_resume_the_newest_run(tmp_pat
     assert f"torchrig: resumed from {_last(root, 0)} -> " in done.stdout
     assert sorted(p.name for p in (root / "torchrig_logs").iterdir()) == ["version_0", "version_1"]
     assert _last(root, 1).resolve().name.endswith("-step=4")
+
+
+@pytest.mark.timeout(30)
+def test_a_run_directory_with_a_file_in_its_way_is_refused_before_training(tmp_path: Path) -> None:
+    """Not at the end of the fit, when the first checkpoint or metrics row is written."""
+    blocking = tmp_path / "a file"
+    blocking.write_text("the user's")
+    refused = rf"must be a directory, but {re.escape(str(blocking))} exists and is not one; pass a folder, or a path"
+    for root in (blocking, blocking / "below"):
+        with pytest.raises(ValueError, match=rf"^default_root_dir='{re.escape(str(root))}' {refused}"):
+            _trainer(root)
+        with pytest.raises(ValueError, match=rf"^root_dir='{re.escape(str(root))}' {refused}"):
+            torchrig.CSVLogger(root_dir=root)
+        with pytest.raises(ValueError, match=rf"^dirpath='{re.escape(str(root))}' {refused}"):
+            torchrig.ModelCheckpoint(dirpath=root)
+    assert blocking.read_text() == "the user's"
+
+
+def test_a_file_put_in_the_way_after_the_start_is_named_when_the_run_directory_is_made(tmp_path: Path) -> None:
+    from torchrig.trainer.loggers import next_version_dir
+
+    blocking = tmp_path / "runs"
+    blocking.write_text("the user's")
+    with pytest.raises(ValueError, match=rf"cannot make the run directory .*: {re.escape(str(blocking))} exists and"):
+        next_version_dir(blocking / "x")
+    assert blocking.read_text() == "the user's"

@@ -244,3 +244,23 @@ def test_a_user_class_cannot_silently_take_a_user_name() -> None:
                 accelerator_registry.register("taken_test", cls)
 
     assert type(ACCELERATOR_REGISTRY.get("taken_test")) is First
+
+
+def test_a_subclass_missing_the_api_is_refused_naming_what_it_lacks() -> None:
+    """It raised a bare NotImplementedError from is_available (no message)."""
+
+    import torchrig
+
+    class Half(torchrig.Accelerator):
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+    for make in (torchrig.Rig, torchrig.Trainer):
+        with pytest.raises(
+            TypeError,
+            match=r"^accelerator=Half\(\) does not define parse_devices, get_parallel_devices, auto_device_count; "
+            r"a subclass of torchrig.Accelerator defines the static methods parse_devices, get_parallel_devices, "
+            r"auto_device_count, is_available \(examples/custom_accelerator.py is a complete one\)$",
+        ):
+            make(accelerator=Half())

@@ -61,3 +61,29 @@ def test_errors_are_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 1
     assert "no checkpoint at" in capsys.readouterr().err
     assert main(["checkpoint"]) == 2
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(20)
+def test_consolidate_refuses_an_out_it_cannot_write_and_leaves_everything_as_it_was(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "my files ü"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("the user's")
+    before = _listing(tmp_path)
+    cases = [
+        (folder, f"error: out={str(folder)!r} is a directory; give the file to write, such as "),
+        (folder / "notes.txt" / "w.safetensors", "exists and is not a directory"),
+        (saved / "model.safetensors", f"is inside the checkpoint {saved.resolve()} it reads, whose files are checked"),
+        (saved.parent / "last" / "w.safetensors", "is inside the checkpoint"),  # through the link
+    ]
+    for out, error in cases:
+        assert main(["checkpoint", "consolidate", str(saved), str(out)]) == 1
+        err = capsys.readouterr().err
+        assert error in err and err.count("\n") == 1, err
+        assert _listing(tmp_path) == before, out  # no temporary file left, the checkpoint unchanged
+    assert main(["checkpoint", "inspect", str(saved)]) == 0

@@ -567,3 +567,74 @@ def test_a_sharded_checkpoint_reads_no_fifo_and_lists_its_dcp_metadata(
     with pytest.raises(CheckpointError, match=re.escape(message)):
         rig.load(path, {"model": model, "optimizer": optimizer})
     _inspect_fails(path, capsys, message)
+
+
+def test_a_file_given_as_a_checkpoint_says_what_it_is_and_how_to_read_it(
+    rig: torchrig.Rig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's first load is often of a file another tool wrote; nothing in it is unpickled."""
+    import safetensors.torch
+
+    from conftest import ROOT
+
+    model = nn.Linear(4, 3)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    safetensors.torch.save_file(model.state_dict(), tmp_path / "model.safetensors")
+    (tmp_path / "random.bin").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "empty").write_bytes(b"")
+    lightning = ROOT / "tests" / "data" / "peers" / "lightning.ckpt"  # written by Lightning 2.6's Trainer
+    tail = "but a torchrig checkpoint is a directory holding meta.json"
+    expected = {
+        tmp_path / "model.pt": f"a file torch.save wrote, {tail}; read it with torch.load('{tmp_path / 'model.pt'}', "
+        "weights_only=True)",
+        tmp_path / "model.safetensors": f"a safetensors file, {tail}; read it with "
+        f"safetensors.torch.load_file('{tmp_path / 'model.safetensors'}')",
+        lightning: f"a Lightning checkpoint, {tail}; convert it once with `torchrig checkpoint import {lightning} OUT`",
+        tmp_path / "random.bin": f"a file, {tail}",
+        tmp_path / "empty": f"a file, {tail}",
+    }
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    for path, what in expected.items():
+        before = path.read_bytes()
+        with pytest.raises(CheckpointError) as refused:
+            rig.load(path, {"model": model})
+        assert str(refused.value) == f"{path} is {what}"
+        assert main(["checkpoint", "inspect", str(path)]) == 1
+        assert capsys.readouterr().err == f"error: {path} is {what}\n"
+        assert path.read_bytes() == before
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+class _Tiny(torchrig.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise AssertionError("a wrong ckpt_path is refused before the first step")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("path", [5, None, b"ck"], ids=["int", "None", "bytes"])
+def test_a_path_of_the_wrong_type_is_named(rig: torchrig.Rig, path: Any, tmp_path: Path) -> None:
+    """It was os.fspath's 'expected str, bytes or os.PathLike object, not int', naming no argument."""
+    import contextlib
+
+    kind = type(path).__name__
+    with contextlib.chdir(tmp_path):
+        with pytest.raises(
+            TypeError, match=rf"^path={re.escape(repr(path))} must be a path \(str or os.PathLike\), not {kind}$"
+        ):
+            rig.save(path, {"step": 1})
+        with pytest.raises(
+            TypeError, match=rf"^path={re.escape(repr(path))} must be a path \(str or os.PathLike\), not {kind}$"
+        ):
+            rig.load(path, {"step": 1})
+        trainer = torchrig.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_epochs=1)
+        if path is not None:  # None: no checkpoint
+            with pytest.raises(TypeError, match=rf"^ckpt_path={re.escape(repr(path))} must be a path"):
+                data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 4)))
+                trainer.fit(_Tiny(), data, ckpt_path=path)
+    assert list(tmp_path.iterdir()) == []

@@ -76,6 +76,13 @@ def test_run_without_a_script_says_the_script_is_required(capsys: pytest.Capture
         (["--precision", "17"], "torchrig run: unknown --precision='17'; choose from 32-true, 64-true, 16-mixed,"),
         (["--strategy", "dpp"], "torchrig run: --strategy='dpp': unknown strategy 'dpp'; known: "),
         (["--strategy", "single"], "torchrig run: --strategy 'single' runs one process on one device, but 2 device"),
+        (["--num-nodes", "0"], "torchrig run: --num-nodes=0 must be an int >= 1 (the number of machines)\n"),
+        (["--num-nodes", "-1"], "torchrig run: --num-nodes=-1 must be an int >= 1 (the number of machines)\n"),
+        (["--node-rank", "3"], "torchrig run: --node-rank 3 must be in 0..0 (--num-nodes 1)\n"),  # was ignored
+        (
+            ["--num-nodes", "2", "--master-addr", "localhost", "--master-port", "99999"],
+            "torchrig run: --master-port 99999 must be a TCP port, 1..65535\n",  # was torchrun's traceback
+        ),
     ],
 )
 def test_run_checks_every_option_before_starting_a_worker(
@@ -89,6 +96,16 @@ def test_run_checks_every_option_before_starting_a_worker(
     assert err.startswith(error), err
     assert err.count("\n") == 1, err  # one line, no worker's traceback
     assert not started.exists()
+
+
+@pytest.mark.parametrize("kind", ["missing", "a directory"])
+def test_run_names_a_script_it_cannot_run(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "my scripts ü"
+    if kind == "a directory":
+        script.mkdir()
+    assert main(["run", "--devices", "1", str(script)]) == 2
+    problem = "is a directory, not a Python script" if kind == "a directory" else "no such script"
+    assert capsys.readouterr().err == f"torchrig run: {script}: {problem}\n"
 
 
 @pytest.mark.timeout(60)

@@ -317,3 +317,20 @@ def test_a_demo_that_fails_before_writing_leaves_no_run_directory(
     with pytest.raises(RuntimeError, match="the model could not be built"):
         cli.main(["demo", "--max-epochs", "1", "--accelerator", "cpu", "--root-dir", str(tmp_path)])
     assert list((tmp_path / "digits").iterdir()) == []  # no empty version_0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("inside", [False, True], ids=["root-dir-is-a-file", "a-file-above-root-dir"])
+def test_a_root_dir_that_is_a_file_is_one_line_and_exit_2(
+    inside: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocking = tmp_path / "notes ü.txt"
+    blocking.write_text("the user's")
+    root = blocking / "runs" if inside else blocking
+    assert cli.main(["demo", "--max-epochs", "1", "--accelerator", "cpu", "--root-dir", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"torchrig demo: root_dir={str(root)!r} must be a directory, but {blocking} exists and is not one; pass a "
+        "folder, or a path that does not exist yet (--root-dir: where the runs are written)\n"
+    )
+    assert blocking.read_text() == "the user's"

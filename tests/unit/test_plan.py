@@ -103,12 +103,34 @@ def test_plan_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--devices", "4", "--tp", "2", "torchrig.demo.transformer:tiny"]) == 0
     text = capsys.readouterr().out
     assert "layers.0.mlp.up.weight    (128, 32) -> (32, 32)  dp_shard:_S(0, 2), tp:S(0)" in text
-    assert main(["plan", "--devices", "4", "--tp", "3", "torchrig.demo.transformer:tiny"]) == 1
-    assert "error: data_parallel_shard='auto' takes what" in capsys.readouterr().err
-    assert main(["plan", "--devices", "4", "torchrig.demo.transformer"]) == 1
+    assert main(["plan", "--devices", "4", "--tp", "3", "torchrig.demo.transformer:tiny"]) == 2
+    assert capsys.readouterr().err.startswith("torchrig plan: data_parallel_shard='auto' takes what")
+    assert main(["plan", "--devices", "4", "torchrig.demo.transformer"]) == 2
     assert "must be MODULE:FUNCTION" in capsys.readouterr().err
-    assert main(["plan", "--devices", "4", "torchrig.demo.transformer:nothing"]) == 1
+    assert main(["plan", "--devices", "4", "torchrig.demo.transformer:nothing"]) == 2
     assert "module 'torchrig.demo.transformer' has no 'nothing'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        (["--devices", "0"], "--devices=0 must be an int >= 1 (processes per node)"),
+        (["--devices", "2", "--num-nodes", "-1"], "--num-nodes=-1 must be an int >= 1 (the number of machines)"),
+        (
+            ["--devices", "2", "--dp-shard", "x"],
+            "--dp-shard='x' must be a count (an int >= 1) or 'auto' (what is left)",
+        ),
+        (["--devices", "2", "--tp", "0"], "tensor_parallel=0 must be an int >= 1"),
+        (["--devices", "2", "--precision", "fp16"], "unknown precision='fp16'; choose from 32-true"),
+        (["--devices", "2", "--rank", "5"], "ranks=[5] are not ranks of a 2-rank job (0 to 1)"),
+    ],
+)
+def test_a_wrong_option_is_one_line_and_exit_2(
+    options: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", *options, "torchrig.demo.transformer:tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"torchrig plan: {error}") and err.count("\n") == 1, err
 
 
 @pytest.mark.slow  # a fake forward and backward for every rank: 2.9 s of CPU (measured on the shared 2-core machine)

@@ -50,6 +50,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from torchrig import arguments
 from torchrig.checkpoint.background import SaveHandle
 from torchrig.checkpoint.core import load, read_whole, save
 from torchrig.checkpoint.errors import CheckpointError
@@ -105,8 +106,10 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     Example:
         >>> # torchrig.checkpoint.consolidate("checkpoints/last", "model.safetensors")
     """
+    target = Path(out)
     with fetched(path) as folder:
         meta = read_meta(folder)
+        _check_consolidate_target(target, folder)
         per_module = module_weights(folder)
     if not per_module:
         raise ValueError(f"{folder} holds no module weights to consolidate (entries: {sorted(meta['entries'])})")
@@ -120,15 +123,35 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
         if t.untyped_storage().data_ptr() in seen:
             flat[name] = t.clone()
         seen.add(t.untyped_storage().data_ptr())
-    target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    safetensors.torch.save_file({k: t.contiguous() for k, t in flat.items()}, str(tmp))
-    follow_umask(tmp)
-    durable(tmp)
-    os.replace(tmp, target)
+    try:
+        safetensors.torch.save_file({k: t.contiguous() for k, t in flat.items()}, str(tmp))
+        follow_umask(tmp)
+        durable(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
+        raise
     fsync_dir(target.parent)
     return target
+
+
+def _check_consolidate_target(target: Path, checkpoint: Path) -> None:
+    """``out`` of :func:`consolidate`: a file to write, outside the checkpoint it reads."""
+    if target.is_dir():
+        raise CheckpointError(
+            f"out={str(target)!r} is a directory; give the file to write, such as {str(target / 'model.safetensors')!r}"
+        )
+    blocking = arguments.file_in_the_way(target.parent)
+    if blocking is not None:
+        raise CheckpointError(f"out={str(target)!r} cannot be written: {blocking} exists and is not a directory")
+    source = checkpoint.resolve()
+    if target.resolve().is_relative_to(source):
+        raise CheckpointError(
+            f"out={str(target)!r} is inside the checkpoint {source} it reads, whose files are checked against "
+            "their SHA-256; write it elsewhere, such as beside the checkpoint"
+        )
 
 
 def module_weights(path: str | os.PathLike[str]) -> dict[str, dict[str, torch.Tensor]]:

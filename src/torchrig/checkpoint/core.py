@@ -158,6 +158,7 @@ def save(
         arguments.int_in_range("keep_last", keep_last, 1, hint="; pass None to keep every checkpoint")
     if not isinstance(blocking, bool):
         raise TypeError(f"save(blocking={blocking!r}) must be True or False")
+    arguments.path("path", path)
     target: Path | CheckpointURL = remote.as_url(path) or Path(remote.local_path(path)).absolute()
     if link is not None and target.name == link:
         raise ValueError(
@@ -253,6 +254,7 @@ def load(
     Example:
         >>> # left = rig.load("ckpt/last", {"model": model, "optimizer": opt}); step = left["step"]
     """
+    arguments.path("path", path)
     settle_pending(rig)  # a save running in the background first (it may be the one loaded)
     with remote.fetched(path) as folder:
         return _load_folder(rig, folder, state, strict, map_location=map_location, verify=verify, prepare=prepare)

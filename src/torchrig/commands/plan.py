@@ -71,17 +71,22 @@ def load_factory(spec: str) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Exit 2, with one ``torchrig plan:`` line, for a wrong option or model; 1 when the model's
+    own code fails while it is planned."""
     import json
 
+    from torchrig import arguments
     from torchrig.planner import plan
 
     try:
+        devices = arguments.int_in_range("--devices", args.devices, 1, hint=" (processes per node)")
+        nodes = arguments.int_in_range("--num-nodes", args.num_nodes, 1, hint=" (the number of machines)")
+        shard = args.dp_shard if args.dp_shard == "auto" else _dp_shard(args.dp_shard)
         factory = load_factory(args.model)
         step_input = load_factory(args.input) if args.input else None
-        shard = args.dp_shard if args.dp_shard == "auto" else int(args.dp_shard)
         result = plan(
             factory,
-            world_size=args.devices * args.num_nodes,
+            world_size=devices * nodes,
             data_parallel_replicate=args.dp_replicate,
             data_parallel_shard=shard,
             tensor_parallel=args.tp,
@@ -93,11 +98,20 @@ def main(args: argparse.Namespace) -> int:
             ranks=args.rank,
             step_input=step_input,
         )
-    except (ValueError, TypeError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, TypeError) as err:
+        print(f"torchrig plan: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        print(f"torchrig plan: {err}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
         print(result.report(max_params=None if args.all_params else 40))
     return 0
+
+
+def _dp_shard(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError(f"--dp-shard={text!r} must be a count (an int >= 1) or 'auto' (what is left)")
+    return int(text)

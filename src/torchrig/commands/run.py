@@ -52,8 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def checked_process_count(args: argparse.Namespace) -> int:
     """How many processes ``--devices`` means on this machine for ``--accelerator``, once every
     option the workers will read is checked (so a wrong one fails here, not in every worker)."""
+    from torchrig import arguments
     from torchrig.resolve import check_launch_choices, resolve_accelerator, resolve_devices
 
+    arguments.int_in_range("--num-nodes", args.num_nodes, 1, hint=" (the number of machines)")
     acc = resolve_accelerator(args.accelerator or "auto")
     spec: Any = args.devices
     if isinstance(spec, str) and spec.strip().lstrip("-").isdigit():
@@ -67,6 +69,12 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
     """The ``torch.distributed.run`` command line for ``args``."""
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts {args.max_restarts} must be 0 or more")
+    if not 0 <= args.node_rank < args.num_nodes:
+        raise ValueError(
+            f"--node-rank {args.node_rank} must be in 0..{args.num_nodes - 1} (--num-nodes {args.num_nodes})"
+        )
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise ValueError(f"--master-port {args.master_port} must be a TCP port, 1..65535")
     out = [f"--nproc-per-node={nproc}", f"--nnodes={args.num_nodes}", f"--max-restarts={args.max_restarts}"]
     if args.num_nodes == 1 and args.master_addr is None and args.master_port is None:
         out.append("--standalone")  # a private rendezvous on a free local port
@@ -76,8 +84,6 @@ def torchrun_args(args: argparse.Namespace, nproc: int) -> list[str]:
                 f"--num-nodes {args.num_nodes} needs --master-addr and --master-port (the address of the "
                 "node-rank-0 machine and a free port there), the same on every machine"
             )
-        if not 0 <= args.node_rank < args.num_nodes:
-            raise ValueError(f"--node-rank {args.node_rank} must be in 0..{args.num_nodes - 1}")
         out += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}"]
         out.append(f"--master-port={args.master_port}")
     return [*out, args.script, *args.script_args]
@@ -104,7 +110,8 @@ def main(args: argparse.Namespace) -> int:
     from torchrig.strategies.parallel import STOP_FILE_ENV
 
     if not os.path.isfile(args.script):
-        print(f"torchrig run: no such script: {args.script}", file=sys.stderr)
+        problem = "is a directory, not a Python script" if os.path.isdir(args.script) else "no such script"
+        print(f"torchrig run: {args.script}: {problem}", file=sys.stderr)
         return 2
     try:
         nproc = checked_process_count(args)

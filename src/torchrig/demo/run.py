@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchrig.arguments import int_in_range
+from torchrig.arguments import directory, int_in_range
 from torchrig.checkpoint.entries import module_counts
 from torchrig.checkpoint.files import resolve_checkpoint
 from torchrig.checkpoint.reading import read_meta
@@ -195,7 +195,7 @@ def run_demo(
     """
     started = time.perf_counter() if started is None else started
     int_in_range("max_epochs", max_epochs, 1, hint=" (--max-epochs: how many epochs to train)")
-    root = Path(root_dir)
+    root = Path(directory("root_dir", root_dir, hint=" (--root-dir: where the runs are written)"))
     saved = _saved_settings(root) if resume else {}
     if precision == "auto" and saved.get("precision"):  # a resumed run keeps its precision unless told
         precision = saved["precision"]

@@ -120,7 +120,9 @@ class ModelCheckpoint(Callback):
             )
         if every_n_train_steps is not None and every_n_epochs is not None:
             raise ValueError("ModelCheckpoint takes every_n_train_steps or every_n_epochs, not both")
-        self.dirpath = (as_url(dirpath) or Path(local_path(dirpath))) if dirpath is not None else None
+        url = None if dirpath is None else as_url(dirpath)
+        local = None if dirpath is None or url else Path(arguments.directory("dirpath", local_path(dirpath)))
+        self.dirpath = url or local
         self.filename = filename or "epoch={epoch}-step={step}"
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
         self.every_n_train_steps, self.every_n_epochs = every_n_train_steps, every_n_epochs or 1

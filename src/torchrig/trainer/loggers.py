@@ -49,6 +49,20 @@ HPARAMS_FILE = "hparams.yaml"
 _VERSION_RE = re.compile(r"^version_(\d+)$")
 
 
+def made_dir(path: Path) -> None:
+    """``path`` made a directory (with its parents); a file in its way is a ValueError naming it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = arguments.file_in_the_way(path)
+        if blocking is None:
+            raise
+        raise ValueError(
+            f"cannot make the run directory {path}: {blocking} exists and is not a directory; pass a root "
+            "directory (default_root_dir=, root_dir=, --root-dir) that is a folder or does not exist yet"
+        ) from None
+
+
 def next_version_dir(parent: str | os.PathLike[str]) -> Path:
     """Create and return ``parent/version_N`` for the next free ``N``.
 
@@ -56,7 +70,7 @@ def next_version_dir(parent: str | os.PathLike[str]) -> Path:
     atomically, and a run that loses the race takes the next number.
     """
     parent = Path(parent)
-    parent.mkdir(parents=True, exist_ok=True)
+    made_dir(parent)
     taken = [int(m.group(1)) for p in parent.iterdir() if (m := _VERSION_RE.match(p.name))]
     version = max(taken, default=-1) + 1
     while True:
@@ -98,7 +112,7 @@ class _RunDir:
     """Where a logger writes; shared by the loggers through composition, not inheritance."""
 
     def __init__(self, root_dir: str | os.PathLike[str], name: str, version: int | str | None) -> None:
-        self.root_dir = Path(root_dir)
+        self.root_dir = Path(arguments.directory("root_dir", root_dir))
         self.name = name
         self.version = version
         self._path: Path | None = None
@@ -114,7 +128,7 @@ class _RunDir:
                 tag = self.version if isinstance(self.version, str) else f"version_{self.version}"
                 self._path = self.root_dir / self.name / tag
                 if create:
-                    self._path.mkdir(parents=True, exist_ok=True)
+                    made_dir(self._path)
         return self._path
 
 

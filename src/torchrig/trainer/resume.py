@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchrig import arguments
 from torchrig.checkpoint import read_summary
 from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
 from torchrig.data import RigDataLoader
@@ -41,6 +42,7 @@ def checkpoint_state(tr: Trainer) -> dict[str, Any]:
 
 def resolve_path(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> Path | CheckpointURL | None:
     cb = tr.checkpoint_callback
+    arguments.path("ckpt_path", ckpt_path)
     if str(ckpt_path) == "best":
         if cb is None or not cb.best_model_path:
             raise ValueError(

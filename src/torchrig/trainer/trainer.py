@@ -217,8 +217,7 @@ class Trainer:
                 f"local and pass callbacks=[ModelCheckpoint(dirpath={url / 'checkpoints'!r})] "
                 "to keep the checkpoints on object storage"
             )
-        root = local_path(root)
-        self.default_root_dir = Path(root)
+        self.default_root_dir = Path(arguments.directory("default_root_dir", local_path(root)))
         self.rig = Rig(
             accelerator=accelerator,
             devices=devices,
