@@ -168,3 +168,20 @@ def test_save_checkpoint_without_a_run_in_this_process_says_where_the_run_is(tmp
     assert "under DDPStrategy (ddp_spawn, ddp_notebook) the runs live in the processes" in text
     assert "holds the trained weights (module.state_dict())" in text and "ModelCheckpoint" in text
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.timeout(30)
+def test_an_explicit_save_in_the_callbacks_folder_leaves_its_last_where_it_was(tmp_path: Path) -> None:
+    # Lightning's rule: trainer.save_checkpoint(path) writes that checkpoint and nothing else. The
+    # callback's ``last`` (what ckpt_path="last" resumes) stays on the callback's newest checkpoint.
+    save = torchrig.ModelCheckpoint(every_n_train_steps=2, save_last=True)
+    first = quiet_trainer(tmp_path, max_steps=2, enable_checkpointing=True, callbacks=[save])
+    first.fit(Regressor(), loader(16))
+    folder = tmp_path / "checkpoints"
+    assert (folder / "last").resolve().name == "epoch=0-step=2"
+    assert first.save_checkpoint(folder / "by-hand") == folder / "by-hand"
+    assert (folder / "by-hand" / "meta.json").is_file()
+    assert (folder / "last").resolve().name == "epoch=0-step=2"  # not moved to "by-hand"
+    assert save.last_model_path == str(folder / "epoch=0-step=2")
+    first.save_checkpoint(folder / "pointed", link="last")  # asked for: the link moves
+    assert (folder / "last").resolve().name == "pointed"
