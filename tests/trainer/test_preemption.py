@@ -135,7 +135,7 @@ def test_a_restarted_job_resumes_from_last_by_itself_unless_switched_off(
     out = capsys.readouterr().out
     link = tmp_path / "checkpoints" / "last"
     assert f"torchrig: restart 1 of this job: resuming from {link} (auto_resume=False turns this off)" in out
-    assert "continues with epoch 2, step 4" in out and resumed.global_step == 8
+    assert "continues with epoch 1/1, step 4" in out and resumed.global_step == 8
     fresh = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, auto_resume=False)
     fresh.fit(Regressor(), loader(16))
     assert "resum" not in capsys.readouterr().out and fresh.global_step == 4
