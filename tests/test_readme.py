@@ -39,7 +39,7 @@ def test_the_trainer_quickstart_trains_then_resumes_in_a_new_run(tmp_path: Path)
     out = run_block(block("Quickstart: Trainer"), tmp_path)
     assert re.search(r"^run 1: 24 steps, train_loss ", out, re.M), out
     assert re.search(r"^run 2: 48 steps, train_loss ", out, re.M), out
-    resumed = r"resumed from .*version_0/checkpoints/last -> epoch=\S*-step=24: continues with epoch 4, step 24"
+    resumed = r"resumed from .*version_0/checkpoints/last -> epoch=\S*-step=24: continues with epoch 3/5, step 24"
     assert re.search(resumed, out), out
     first, second = (float(m) for m in re.findall(r"^run \d: \d+ steps, train_loss (\S+)", out, re.M))
     assert second < first, out  # "with a lower loss"

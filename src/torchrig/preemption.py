@@ -21,6 +21,9 @@ some processes get the signal, and each at its own moment. So a handler here onl
 
 A stop signal in the Trainer ends the fit at the next optimizer step on every rank, saves ``last``
 there and raises :class:`Preempted` (exit status ``128 + signal``; 0 when the job was requeued).
+When the fit returns, the handlers are put back as they were, but for a warning signal
+(:data:`WARNING_SIGNALS`) that had its default action: that action would end the process, so a
+warning that comes after training is said on stderr and ignored instead (:func:`late_warning`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,23 @@ import torch
 AUTO = "auto"
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 SignalsLike = str | int | signal.Signals | Sequence[str | int | signal.Signals] | None
+#: Signals a scheduler sends to warn a job that its end is near (SLURM's ``--signal=USR1@90``), not
+#: to end the process, yet whose default action ends it (status 138 for SIGUSR1). Once a fit that
+#: watched one has returned, the warning is for a run that is over: :func:`late_warning` takes it.
+WARNING_SIGNALS = frozenset({signal.SIGUSR1, signal.SIGUSR2})
+
+
+def late_warning(signum: int, frame: FrameType | None) -> None:
+    """The handler of a warning signal after the fit that watched it returned: the training and its
+    checkpoints are done, so the process goes on (its work after the fit too) and stderr says why.
+    Installed until the process ends, a later fit (which watches the signal again), or the
+    program's own ``signal.signal``."""
+    name = signal.Signals(signum).name
+    os.write(
+        2,
+        f"\ntorchrig: {name} came after fit() returned: the training and its checkpoints are done, so it is "
+        f"ignored (signal.signal(signal.{name}, handler) to act on it yourself)\n".encode(),
+    )
 
 
 class Preempted(SystemExit):
@@ -150,8 +170,10 @@ class SignalWatch:
     """Notes the first of ``signals`` this process gets; :meth:`poll` agrees on it across ranks.
 
     Handlers are installed (by :meth:`install` or ``with``) only from the main thread and only for
-    signals that still have their default disposition (Python's ``KeyboardInterrupt`` for SIGINT):
-    a handler the program installed itself, or an ignored signal, is left alone. A second SIGINT
+    signals that still have their default disposition (Python's ``KeyboardInterrupt`` for SIGINT;
+    :func:`late_warning`, left by an earlier fit): a handler the program installed itself, or an
+    ignored signal, is left alone. :meth:`restore` puts them back, but a warning signal
+    (:data:`WARNING_SIGNALS`) that had its default action gets :func:`late_warning`. A second SIGINT
     raises ``KeyboardInterrupt`` at once, as without torchrig; other signals repeated while the run
     stops are noted once (a second SIGTERM does not cut the save short).
 
@@ -181,16 +203,18 @@ class SignalWatch:
         for sig in self.signals:
             current = signal.getsignal(sig)
             default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-            if current is default and sig not in self._previous:
+            if (current is default or current is late_warning) and sig not in self._previous:
                 self._previous[sig] = current
                 signal.signal(sig, self._handle)
         return self
 
     def restore(self) -> None:
-        """Put the handlers back as they were; a check still in flight is dropped."""
+        """Put the handlers back as they were (a warning signal's default action: :func:`late_warning`);
+        a check still in flight is dropped."""
         for sig, handler in self._previous.items():
             if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, handler)
+                late = sig in WARNING_SIGNALS and handler is signal.SIG_DFL
+                signal.signal(sig, late_warning if late else handler)
         self._previous.clear()
         self._pending = None
 

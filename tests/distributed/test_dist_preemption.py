@@ -129,7 +129,7 @@ def test_slurm_usr1_requeues_once_after_the_save_and_the_restarted_job_resumes_b
         assert proc.returncode == 0, explain(proc)
     said = second[0].stdout
     assert "torchrig: restart 1 of this job: resuming from" in said and "version_0/checkpoints/last" in said, said
-    assert "continues in epoch 2 after 3 batches, step 9" in said
+    assert "continues in epoch 1/2 after 3 batches, step 9" in said
     reference = _srun(tmp_path, "reference", "reference")
     assert all(proc.returncode == 0 for proc in reference), explain(reference[0])
     assert record.read_text().count("requeue") == 1
@@ -185,7 +185,7 @@ def test_a_sigkilled_worker_restarted_by_torchrig_run_resumes_the_fit_by_itself_
     # the lost connection a moment before it looked, so the script says when it kills itself.)
     assert "rank 1 SIGKILLs itself at step 13" in proc.stdout, explain(proc)
     assert "torchrig: restart 1 of this job: resuming from" in proc.stdout, explain(proc)
-    assert "continues in epoch 2 after 4 batches, step 10" in proc.stdout, explain(proc)
+    assert "continues in epoch 1/2 after 4 batches, step 10" in proc.stdout, explain(proc)
     assert "rank 0 done at step 18" in proc.stdout, explain(proc)
     clean = _fit(tmp_path, "clean")
     assert clean.returncode == 0, explain(clean)

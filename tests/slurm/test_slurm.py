@@ -83,7 +83,7 @@ def test_srun_two_tasks_fit_matches_torchrig_run(slurm: SlurmCluster, reference:
 def _resumed_at(step: int, text: str) -> bool:
     """Whether ``text`` says the fit resumed from the checkpoint of ``step`` (mid-epoch, or at an
     epoch's end: then it continues with the next epoch)."""
-    where = r"(in epoch \d+ after \d+ batches|with epoch \d+)"
+    where = r"(in epoch \d+(/\d+)? after \d+ batches|with epoch \d+(/\d+)?)"  # epochs counted from 0, /last
     return re.search(rf"-> epoch=\d+-step={step}: continues {where}, step {step}\n", text) is not None
 
 

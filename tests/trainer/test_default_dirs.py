@@ -54,7 +54,7 @@ def test_last_continues_the_newest_earlier_run(tmp_path: Path, capsys: pytest.Ca
     third.fit(Regressor(), loader(8), ckpt_path="last")
     # version_1 is the newest run with a `last` (version_2, this run's own folder, has none yet).
     said = f"torchrig: resumed from {_last(tmp_path, 1)} -> {_last(tmp_path, 1).resolve().name}: "
-    assert said + "continues with epoch 2, step 2" in capsys.readouterr().out
+    assert said + "continues with epoch 1/1, step 2" in capsys.readouterr().out
     assert (third.current_epoch, third.global_step) == (2, 4)
     assert _last(tmp_path, 2).resolve().name.endswith("-step=4")
     assert _last(tmp_path, 1).resolve().name.endswith("-step=2")  # the run resumed from is as it was

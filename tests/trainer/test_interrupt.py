@@ -78,7 +78,7 @@ def test_ctrl_c_saves_last_at_the_next_step_exits_non_zero_and_resumes_exactly(t
     resumed = _run(tmp_path, "stopped", interrupt=False)
     assert resumed.returncode == 0, resumed.stderr
     link = tmp_path / "stopped" / "checkpoints" / "last"
-    said = f"torchrig: resumed from {link} -> {last.name}: continues in epoch 2 after 4 batches, step 5"
+    said = f"torchrig: resumed from {link} -> {last.name}: continues in epoch 1/2 after 4 batches, step 5"
     assert said in resumed.stdout
     assert "done at step 9" in resumed.stdout
     a = torch.load(tmp_path / "clean" / "final.pt")

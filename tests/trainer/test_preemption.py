@@ -135,7 +135,7 @@ def test_a_restarted_job_resumes_from_last_by_itself_unless_switched_off(
     out = capsys.readouterr().out
     link = tmp_path / "checkpoints" / "last"
     assert f"torchrig: restart 1 of this job: resuming from {link} (auto_resume=False turns this off)" in out
-    assert "continues with epoch 2, step 4" in out and resumed.global_step == 8
+    assert "continues with epoch 1/1, step 4" in out and resumed.global_step == 8
     fresh = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, auto_resume=False)
     fresh.fit(Regressor(), loader(16))
     assert "resum" not in capsys.readouterr().out and fresh.global_step == 4
@@ -191,3 +191,54 @@ def test_several_ranks_check_at_polls_they_agree_on_and_stop_at_the_second_check
     with pytest.raises(ValueError, match=r"TORCHRIG_SIGNAL_CHECK_INTERVAL='soon' must be seconds >= 0"):
         monkeypatch.setenv("TORCHRIG_SIGNAL_CHECK_INTERVAL", "soon")
         preemption.check_interval()
+
+
+LATE_SIGNAL_SCRIPT = r"""
+import os, signal, sys, time
+import torchrig
+from trainer_helpers import Regressor, loader, quiet_trainer
+
+root = sys.argv[1]
+trainer = quiet_trainer(root, max_steps=2, stop_signals=["SIGTERM", "SIGUSR1"], enable_model_summary=False)
+trainer.fit(Regressor(), loader(8))
+print("fit returned", flush=True)
+os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning, after training: the results are kept
+time.sleep(0.2)
+print("work after the fit goes on", trainer.global_step, flush=True)
+
+seen = []
+class Look(torchrig.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        seen.append(signal.getsignal(signal.SIGUSR1))
+
+again = quiet_trainer(root, max_steps=1, stop_signals=["SIGUSR1"], callbacks=[Look()], enable_model_summary=False)
+again.fit(Regressor(), loader(8))
+print("a second fit watches it again:", getattr(seen[0], "__name__", None), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # not a warning: its default action is back, it ends the process
+time.sleep(10)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_warning_signal_after_fit_returned_is_said_and_ignored_and_sigterm_still_ends_the_process(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    from trainer_helpers import subprocess_env
+
+    script = tmp_path / "late.py"
+    script.write_text(LATE_SIGNAL_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=subprocess_env(), capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    lines = proc.stdout.splitlines()
+    assert lines[-3:] == ["fit returned", "work after the fit goes on 2", "a second fit watches it again: _handle"]
+    said = (
+        "torchrig: SIGUSR1 came after fit() returned: the training and its checkpoints are done, so it is ignored "
+        "(signal.signal(signal.SIGUSR1, handler) to act on it yourself)"
+    )
+    assert proc.stderr.count(said) == 1, proc.stderr[-3000:]

@@ -70,9 +70,9 @@ def test_plain_lines_when_not_a_terminal() -> None:
     lines = out.getvalue().splitlines()
     assert len(lines) == 5, lines  # no sanity line; one line per validation, epoch and test
     assert re.fullmatch(r"Validation: 3 batches in \d+\.\d\ds, val_loss=0\.125", lines[0])
-    assert re.fullmatch(r"Epoch 1/2: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.25 acc=0\.5", lines[1])
+    assert re.fullmatch(r"Epoch 0/1: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.25 acc=0\.5", lines[1])
     assert lines[2].startswith("Validation: 3 batches") and lines[2].endswith("val_loss=0.25")
-    assert lines[3].startswith("Epoch 2/2: 4 steps")
+    assert lines[3].startswith("Epoch 1/1: 4 steps")
     assert re.fullmatch(r"Test: 3 batches in \d+\.\d\ds, test_acc=0\.875", lines[4])
     assert "\x1b[" not in out.getvalue()
 
@@ -85,7 +85,7 @@ def test_live_bar_in_a_terminal_shows_progress_speed_and_metrics() -> None:
     run_fit(bar, trainer, epochs=1)
     evaluate(bar, trainer, "test", {"test_acc": torch.tensor(0.875)})
     text = ANSI.sub("", out.getvalue())
-    assert "Epoch 1/2" in text and "4/4" in text
+    assert "Epoch 0/1" in text and "4/4" in text
     assert re.search(r"\d+\.\d it/s", text)
     assert "loss=0.25 acc=0.5" in text
     assert "Validation" in text and "3/3" in text
@@ -118,7 +118,7 @@ def test_steps_between_refreshes_convert_nothing() -> None:
         assert "200 steps in" not in out.getvalue()
         bar.on_fit_end(trainer, None)  # type: ignore[arg-type]
         assert calls["n"] == 3  # the final redraw, and the kept line (one transfer each)
-    assert re.search(r"Epoch 1/2: 200 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=199", out.getvalue()), out.getvalue()
+    assert re.search(r"Epoch 0/1: 200 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=199", out.getvalue()), out.getvalue()
 
 
 def test_the_position_comes_from_batch_idx_so_sparse_calls_and_resumes_show_it() -> None:
@@ -142,14 +142,14 @@ def test_the_position_comes_from_batch_idx_so_sparse_calls_and_resumes_show_it()
     bar.on_train_batch_end(resumed, None, torch.tensor(0.25), None, 3)  # type: ignore[arg-type]
     bar.on_train_epoch_end(resumed, None)  # type: ignore[arg-type]
     lines = out.getvalue().splitlines()
-    assert re.fullmatch(r"Epoch 1/2: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.5", lines[0]), lines
-    assert re.fullmatch(r"Epoch 2/2: 2 steps in .*, loss=0\.25", lines[1]), lines  # batches 2 and 3 ran here
+    assert re.fullmatch(r"Epoch 0/1: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.5", lines[0]), lines
+    assert re.fullmatch(r"Epoch 1/1: 2 steps in .*, loss=0\.25", lines[1]), lines  # batches 2 and 3 ran here
 
     live = io.StringIO()  # in a terminal, the resumed epoch's bar shows at once, where it is
     bar = ProgressBar(refresh_interval=0.0, console=Console(file=live, force_terminal=True, width=160))
     bar.on_fit_start(resumed, None)  # type: ignore[arg-type]
     text = ANSI.sub("", live.getvalue())
-    assert "Epoch 2/2" in text and "2/4" in text
+    assert "Epoch 1/1" in text and "2/4" in text
     bar.on_train_batch_end(resumed, None, torch.tensor(0.25), None, 3)  # type: ignore[arg-type]
     bar.on_fit_end(resumed, None)  # type: ignore[arg-type]
     assert "4/4" in ANSI.sub("", live.getvalue())
@@ -215,8 +215,8 @@ def test_with_the_trainer_plain_lines_and_the_default_csv_logger(tmp_path: Path)
     lines = out.getvalue().splitlines()
     assert len(lines) == 4, lines  # validation then epoch, twice; the sanity check prints nothing
     assert re.fullmatch(r"Validation: 2 batches in \d+\.\d\ds, val_loss=[\d.]+", lines[0])
-    assert re.fullmatch(r"Epoch 1/2: 4 steps in .* it/s\), loss=[\d.]+ train_loss=[\d.]+ val_loss=[\d.]+", lines[1])
-    assert lines[3].startswith("Epoch 2/2: 4 steps")
+    assert re.fullmatch(r"Epoch 0/1: 4 steps in .* it/s\), loss=[\d.]+ train_loss=[\d.]+ val_loss=[\d.]+", lines[1])
+    assert lines[3].startswith("Epoch 1/1: 4 steps")
 
     rows = read_metrics(tmp_path / "torchrig_logs" / "version_0")
     assert [(r["step"], r["epoch"]) for r in rows if "train_loss" in r] == [(s, (s - 1) // 4) for s in range(1, 9)]
@@ -238,10 +238,10 @@ def test_short_epochs_in_a_terminal_show_their_steps_metrics_and_a_line_each() -
     trainer = fake_trainer()
     run_fit(bar, trainer, epochs=2)
     text = ANSI.sub("", out.getvalue())
-    finished = [line for line in text.splitlines() if re.match(r"\s*Epoch \d/2: 4 steps in", line)]
+    finished = [line for line in text.splitlines() if re.match(r"\s*Epoch \d/1: 4 steps in", line)]
     assert len(finished) == 2, text
-    assert re.search(r"Epoch 1/2: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.25 acc=0\.5", finished[0])
-    assert "Epoch 2/2: 4 steps in" in finished[1]
+    assert re.search(r"Epoch 0/1: 4 steps in \d+\.\d\ds \(\d+\.\d it/s\), loss=0\.25 acc=0\.5", finished[0])
+    assert "Epoch 1/1: 4 steps in" in finished[1]
     assert "4/4" in text and "0/4" not in text
 
 
@@ -264,5 +264,5 @@ def test_the_terminal_bars_last_frame_shows_the_last_epoch_not_one_past_it(tmp_p
     )
     trainer.fit(Regressor(), loader(8, batch_size=4))
     text = ANSI.sub("", out.getvalue())
-    assert trainer.current_epoch == 3 and "Epoch 3/3" in text
-    assert "Epoch 4/3" not in text
+    assert trainer.current_epoch == 3 and "Epoch 2/2" in text
+    assert "Epoch 3/2" not in text

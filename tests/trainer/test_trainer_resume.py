@@ -72,7 +72,7 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path: Path) -> No
     assert resumed.returncode == 0, resumed.stderr
     said, *rest = resumed.stdout.splitlines()
     link = last.parent / "last"
-    assert said == f"torchrig: resumed from {link} -> epoch=1-step=4: continues in epoch 2 after 2 batches, step 4"
+    assert said == f"torchrig: resumed from {link} -> epoch=1-step=4: continues in epoch 1/1 after 2 batches, step 4"
     assert rest == clean.stdout.splitlines()
     a = torch.load(tmp_path / "clean" / "final.pt")
     b = torch.load(tmp_path / "killed" / "final.pt")
@@ -168,3 +168,46 @@ def test_save_checkpoint_without_a_run_in_this_process_says_where_the_run_is(tmp
     assert "under DDPStrategy (ddp_spawn, ddp_notebook) the runs live in the processes" in text
     assert "holds the trained weights (module.state_dict())" in text and "ModelCheckpoint" in text
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.timeout(30)
+def test_an_explicit_save_in_the_callbacks_folder_leaves_its_last_where_it_was(tmp_path: Path) -> None:
+    # Lightning's rule: trainer.save_checkpoint(path) writes that checkpoint and nothing else. The
+    # callback's ``last`` (what ckpt_path="last" resumes) stays on the callback's newest checkpoint.
+    save = torchrig.ModelCheckpoint(every_n_train_steps=2, save_last=True)
+    first = quiet_trainer(tmp_path, max_steps=2, enable_checkpointing=True, callbacks=[save])
+    first.fit(Regressor(), loader(16))
+    folder = tmp_path / "checkpoints"
+    assert (folder / "last").resolve().name == "epoch=0-step=2"
+    assert first.save_checkpoint(folder / "by-hand") == folder / "by-hand"
+    assert (folder / "by-hand" / "meta.json").is_file()
+    assert (folder / "last").resolve().name == "epoch=0-step=2"  # not moved to "by-hand"
+    assert save.last_model_path == str(folder / "epoch=0-step=2")
+    first.save_checkpoint(folder / "pointed", link="last")  # asked for: the link moves
+    assert (folder / "last").resolve().name == "pointed"
+
+
+@pytest.mark.timeout(30)
+def test_the_name_the_resume_message_and_the_progress_bar_say_the_same_epoch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Stopped in the second epoch (index 1) after 1 of its 3 batches: the checkpoint is named
+    # epoch=1-..., the resume says epoch 1/2 (of 0..2) and the progress bar's line too.
+    import io
+
+    from rich.console import Console
+
+    save = torchrig.ModelCheckpoint(every_n_train_steps=4, save_last=True)
+    first = quiet_trainer(tmp_path, max_epochs=3, max_steps=4, enable_checkpointing=True, callbacks=[save])
+    first.fit(Regressor(), loader(12))  # 3 batches of 4 an epoch
+    link = tmp_path / "checkpoints" / "last"
+    assert link.resolve().name == "epoch=1-step=4"
+    capsys.readouterr()
+    out = io.StringIO()
+    bar = torchrig.ProgressBar(console=Console(file=out, width=200))
+    second = quiet_trainer(tmp_path, max_epochs=3, enable_checkpointing=True, callbacks=[bar])
+    second.fit(Regressor(), loader(12), ckpt_path="last")
+    said = capsys.readouterr().out
+    assert f"torchrig: resumed from {link} -> epoch=1-step=4: continues in epoch 1/2 after 1 batches, step 4" in said
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("Epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["Epoch 1/2", "Epoch 2/2"], lines

@@ -240,12 +240,31 @@ def test_two_ddp_ranks_save_in_the_background_and_load_back(bucket: str, tmp_pat
     assert torchrig.checkpoint.describe(f"s3://{bucket}/ddp/last")["world_size"] == 2
 
 
+# Every weight and optimizer moment of the FSDP scripts' model, whole (a collective: every rank calls it).
+WHOLE = r"""
+def whole():
+    out = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
+    for i, s in enumerate(optimizer.state.values()):
+        out.update({f"opt.{i}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()})
+    return out
+"""
+
+
+def _fsdp_script(tmp_path: Path, source: str, name: str, bucket: str) -> tuple[str, str, dict[str, str]]:
+    """``source`` written as ``NAME.py``; the script, the URL ``s3://BUCKET/NAME`` and the ranks' environment."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(source)
+    url = f"s3://{bucket}/{name}"
+    return str(script), url, {**S3_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"], "TEST_S3_URL": url}
+
+
 # Two FSDP ranks (gloo): DCP's fsspec writer uploads each rank's shards to the server. "train" saves
 # step 2 (blocking) and step 4 (in the background, while steps 5-6 train), writes the weights and
 # moments after step 6, then saves step 6 and rank 0 dies (os._exit) as it is about to upload that
 # save's meta.json: every shard and state.pt are on the server, the commit is not. "resume" loads
 # ``last`` on 2 new processes, trains steps 5-6 again and must reach the same weights exactly.
-FSDP_SCRIPT = r"""
+FSDP_SCRIPT = (
+    r"""
 import os, sys, threading, time
 from pathlib import Path
 import s3fs, torch, torchrig
@@ -266,12 +285,9 @@ def train(first, last):
         optimizer.step()
         optimizer.zero_grad()
 
-def whole():
-    out = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
-    for i, s in enumerate(optimizer.state.values()):
-        out.update({f"opt.{i}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()})
-    return out
-
+"""
+    + WHOLE
+    + r"""
 if phase == "train":
     train(1, 2)
     assert rig.save(f"{url}/step-2", {**state, "step": 2}, keep_last=2) == f"{url}/step-2"
@@ -313,6 +329,7 @@ else:
     rig.save(f"{url}/step-6", {**state, "step": 6}, keep_last=2)
     (folder / f"ok-{rig.global_rank}").touch()
 """
+)
 
 
 @pytest.mark.distributed
@@ -321,11 +338,8 @@ else:
 def test_two_fsdp_ranks_upload_shards_resume_exactly_and_survive_a_kill(bucket: str, tmp_path: Path) -> None:
     from test_checkpoint_distributed import launch
 
-    script = tmp_path / "fsdp.py"
-    script.write_text(FSDP_SCRIPT)
-    url = f"s3://{bucket}/fsdp"
-    env = {**S3_ENV, "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"], "TEST_S3_URL": url}
-    (rank0, out0), _ = launch("train", tmp_path, script=str(script), extra_env=env, check=False)
+    script, url, env = _fsdp_script(tmp_path, FSDP_SCRIPT, "fsdp", bucket)
+    (rank0, out0), _ = launch("train", tmp_path, script=script, extra_env=env, check=False)
     assert rank0 == 17, out0[-3000:]  # killed as it was about to commit step 6
 
     fs = s3fs.S3FileSystem()
@@ -336,7 +350,7 @@ def test_two_fsdp_ranks_upload_shards_resume_exactly_and_survive_a_kill(bucket: 
     assert (info["step"], info["sharded"], info["world_size"]) == (4, True, 2)  # the previous one
     assert all(ok for _, _, ok in info["verified"])
 
-    launch("resume", tmp_path, script=str(script), extra_env=env)
+    launch("resume", tmp_path, script=script, extra_env=env)
     assert {p.name for p in tmp_path.glob("ok-*")} == {"ok-0", "ok-1"}
     assert torchrig.checkpoint.describe(f"{url}/last")["step"] == 6
     assert len(fs.ls(f"{bucket}/fsdp/step-6", refresh=True)) == 1  # the dead upload was tidied
@@ -356,3 +370,104 @@ def test_two_fsdp_ranks_upload_shards_resume_exactly_and_survive_a_kill(bucket: 
     weights = load_file(torchrig.checkpoint.consolidate(f"{url}/last", tmp_path / "w.safetensors"))
     assert {f"model.{k}" for k in weights} == {k for k in final if k.startswith("model.")}
     assert all(torch.equal(weights[k], final[f"model.{k}"]) for k in weights)
+
+
+# Two FSDP ranks (gloo) load a checkpoint two ranks saved, through a real s3fs client whose every
+# S3 GET is written down (a subclass of s3fs's file system, registered for s3://): loading the
+# weights, each rank reads meta.json, state.pt, DCP's .metadata and its own shard object, never the
+# other rank's; weights and moments come back exactly. Then rank 1's shard is altered on the server
+# (same size): both ranks refuse the next load, naming the stored object, and neither changes a weight.
+SHARD_FETCH_SCRIPT = (
+    r"""
+import os, sys
+from pathlib import Path
+import fsspec, s3fs, torch, torchrig
+from torch import nn
+
+phase, folder = sys.argv[1], Path(sys.argv[2])
+url = os.environ["TEST_S3_URL"]
+rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="fsdp")
+torch.manual_seed(0 if phase == "save" else 1)
+model = rig.prepare(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4)))
+optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=0.05))
+x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rig.global_rank))
+rig.backward(model(x).square().mean())
+optimizer.step()
+state = {"model": model, "optimizer": optimizer}
+
+"""
+    + WHOLE
+    + r"""
+if phase == "save":
+    rig.save(f"{url}/ck", {**state, "step": 1})
+    saved = whole()  # a collective: every rank
+    if rig.is_global_zero:
+        torch.save(saved, folder / "saved.pt")
+    sys.exit(0)
+
+gets = folder / f"gets-{rig.global_rank}.txt"
+class CountingS3(s3fs.S3FileSystem):
+    async def _call_s3(self, method, *args, **kwargs):
+        if method == "get_object":
+            with open(gets, "a") as f:
+                f.write(kwargs["Key"].rsplit("/", 1)[-1] + "\n")
+        return await super()._call_s3(method, *args, **kwargs)
+fsspec.register_implementation("s3", CountingS3, clobber=True)
+
+def mark():
+    with open(gets, "a") as f:
+        f.write("--\n")
+
+assert rig.load(f"{url}/last", {"model": model})["step"] == 1  # the weights alone: this rank's shard
+mark()
+saved, now = torch.load(folder / "saved.pt"), whole()
+assert all(torch.equal(now[k], saved[k]) for k in saved if k.startswith("model.")), "weights not loaded exactly"
+assert rig.load(f"{url}/last", state) == {"step": 1}  # weights and moments
+mark()
+now = whole()
+assert now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in saved), "not loaded exactly"
+
+rig.barrier()
+if rig.is_global_zero:
+    fs = s3fs.S3FileSystem()
+    (version,) = fs.ls(url.removeprefix("s3://") + "/ck", refresh=True)
+    data = bytearray(fs.cat_file(f"{version}/__1_0.distcp"))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(f"{version}/__1_0.distcp", bytes(data))
+rig.barrier()
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+before = whole()
+try:
+    rig.load(f"{url}/last", {"model": model})  # rank 0 reads no altered byte: rank 1 refuses for both
+except torchrig.checkpoint.CheckpointError as err:
+    (folder / f"refused-{rig.global_rank}.txt").write_text(str(err))
+after = whole()
+assert all(torch.equal(before[k], after[k]) for k in before), "a refused load changed weights"
+"""
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.timeout(200)
+def test_each_fsdp_rank_downloads_only_the_shard_objects_it_reads(bucket: str, tmp_path: Path) -> None:
+    from test_checkpoint_distributed import launch
+
+    script, _, env = _fsdp_script(tmp_path, SHARD_FETCH_SCRIPT, "fetch", bucket)
+    launch("save", tmp_path, script=script, extra_env=env)
+    fs = s3fs.S3FileSystem()
+    (version,) = fs.ls(f"{bucket}/fetch/ck", refresh=True)
+    stored = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(version, refresh=True))
+    assert stored == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "state.pt"]
+
+    launch("load", tmp_path, script=script, extra_env=env)
+    common = ["last", "meta.json", "state.pt", ".metadata"]  # the link, then the version's files
+    for rank in (0, 1):
+        weights, everything, _ = (tmp_path / f"gets-{rank}.txt").read_text().split("--\n")
+        assert sorted(weights.split()) == sorted([*common, f"__{rank}_0.distcp"]), (rank, weights)
+        assert set(everything.split()) <= {*common, "__0_0.distcp", "__1_0.distcp"}, (rank, everything)
+        refused = (tmp_path / f"refused-{rank}.txt").read_text()
+        assert refused.startswith(f"checksum mismatch in s3://{version}/__1_0.distcp: SHA-256 is "), refused
+        assert "meta.json says" in refused and "refusing to load it" in refused

@@ -224,7 +224,7 @@ def test_demo_end_to_end_in_a_subprocess(tmp_path: Path) -> None:
     assert re.fullmatch(r"\d+\.\d\d% \(test loss \d\.\d{4}, 360 held-out images\)", out["test accuracy"])
     assert re.fullmatch(r"\d+\.\d s since the command started \(2 epochs trained in \d+\.\d s\)", out["time"])
     assert out["run directory"] == str(run_dir)
-    assert "Epoch 2/2" in done.stdout and "Test:" in done.stdout  # the progress bar's plain lines
+    assert "Epoch 1/1" in done.stdout and "Test:" in done.stdout  # the progress bar's plain lines
 
     run_dir = tmp_path / run_dir
     assert (run_dir / "checkpoints" / "last" / "meta.json").exists()
@@ -248,8 +248,8 @@ def test_demo_resume_continues_the_previous_run_in_place(tmp_path: Path, capsys:
     capsys.readouterr()
     assert cli.main([*common, "--max-epochs", "2", "--resume"]) == 0
     out = capsys.readouterr().out
-    assert "Epoch 2/2" in out and "Epoch 1/2" not in out
-    assert "(resumed: epoch 2 trained in" in out
+    assert "Epoch 1/1" in out and "Epoch 0/1" not in out
+    assert "(resumed: epoch 1 trained in" in out  # counted from 0, as the bar and the checkpoint names
     run_dir = tmp_path / "root" / "digits" / "version_0"
     assert sorted(p.name for p in (tmp_path / "root" / "digits").iterdir()) == ["version_0"]
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))

@@ -65,11 +65,11 @@ def test_resume_with_more_epochs_trains_the_next_epoch_and_keeps_the_precision(
     assert "--resume continues with" not in out  # nothing changed
     assert last.resolve().name == "epoch=5-step=120"
 
-    lr, before, after = seen[3]  # epoch 4 of 6
+    lr, before, after = seen[3]  # epoch 3/5 (counted from 0, as the checkpoint names)
     assert lr == pytest.approx(5e-3 * cosine_factor(3, 6)) and lr > 1e-3
     assert not torch.equal(before, after)  # it trained
     assert seen[2][0] == pytest.approx(5e-3 * cosine_factor(2, 3))  # the first run's own schedule
-    assert f"torchrig demo: resumed after 3 epochs (step 60); epoch 4 of 6 starts at learning rate {lr:.3g}" in out
+    assert f"torchrig demo: resumed after 3 epochs (step 60); epoch 3/5 starts at learning rate {lr:.3g}" in out
 
     again = run_demo(max_epochs=7, resume=True, precision="32-true", **common)  # type: ignore[arg-type]
     out = capsys.readouterr().out

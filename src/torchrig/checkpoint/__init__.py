@@ -58,7 +58,7 @@ from torchrig.checkpoint.files import durable, follow_umask, fsync_dir
 from torchrig.checkpoint.meta import STATE_FILE
 from torchrig.checkpoint.reading import VerifiedReader, read_meta, safe_torch_load, verify_files
 from torchrig.checkpoint.remote import CheckpointURL, fetched, remote_origin
-from torchrig.checkpoint.sharded import consolidate_dcp
+from torchrig.checkpoint.sharded import consolidate_dcp, first_files
 
 __all__ = [
     "CheckpointError",
@@ -93,7 +93,7 @@ def read_summary(path: str | os.PathLike[str]) -> dict[str, Any]:
     Example:
         >>> # torchrig.checkpoint.read_summary("checkpoints/last")["epoch"]
     """
-    with fetched(path) as folder:
+    with fetched(path, lambda meta: ()) as folder:  # meta.json alone
         return read_meta(folder)
 
 
@@ -107,7 +107,7 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
         >>> # torchrig.checkpoint.consolidate("checkpoints/last", "model.safetensors")
     """
     target = Path(out)
-    with fetched(path) as folder:
+    with fetched(path, first_files) as folder:
         meta = read_meta(folder)
         _check_consolidate_target(target, folder)
         per_module = module_weights(folder)
@@ -161,7 +161,7 @@ def module_weights(path: str | os.PathLike[str]) -> dict[str, dict[str, torch.Te
     Example:
         >>> # torchrig.checkpoint.module_weights("checkpoints/last")["module"]["net.0.weight"]
     """
-    with fetched(path) as folder:
+    with fetched(path, first_files) as folder:
         meta = read_meta(folder)
         if meta.get("sharded"):
             return consolidate_dcp(folder, meta)
@@ -175,7 +175,7 @@ def read_values(path: str | os.PathLike[str]) -> dict[str, Any]:
     Example:
         >>> # torchrig.checkpoint.read_values("checkpoints/last")["step"]
     """
-    with fetched(path) as folder:
+    with fetched(path, first_files) as folder:
         meta = read_meta(folder)
         if meta.get("sharded"):
             with VerifiedReader(folder, meta) as reader:

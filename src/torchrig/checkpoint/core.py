@@ -229,8 +229,10 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint into the objects of ``state`` in place; returns what is left over.
 
-    Every file is checked against its SHA-256 before anything is changed; RNG states are
-    restored when ``state`` is given (so training continues exactly), not when only reading.
+    Every file read is checked against its SHA-256 before anything is changed (of a sharded
+    checkpoint, the shards each rank's read plan names: from object storage, only these are
+    fetched); RNG states are restored when ``state`` is given (so training continues exactly),
+    not when only reading.
     A save running in the background is waited for first (its error is raised here).
 
     Args:
@@ -242,10 +244,11 @@ def load(
         map_location: the device for returned tensors (default ``rig.device``).
         verify: check SHA-256 checksums (a size check is always made).
         prepare: called as ``prepare(values)`` with the checkpoint's plain values once every file
-            is read and checked, before any entry of ``state`` is compared or loaded: it makes the
-            objects of ``state`` like the saved ones where the saved run changed them (parameter
-            groups added to an optimizer, a scheduler swapped in), and may add entries to
-            ``state``. What it changes is its own: a load refused after it does not undo it.
+            is read and checked (of a sharded one, ``state.pt`` and ``.metadata``), before any
+            entry of ``state`` is compared or loaded: it makes the objects of ``state`` like the
+            saved ones where the saved run changed them (parameter groups added to an optimizer, a
+            scheduler swapped in), and may add entries to ``state``. What it changes is its own: a
+            load refused after it does not undo it.
 
     Returns:
         Plain values (step, epoch, metrics) and entries not named in ``state``. Plain values
@@ -256,7 +259,7 @@ def load(
     """
     arguments.path("path", path)
     settle_pending(rig)  # a save running in the background first (it may be the one loaded)
-    with remote.fetched(path) as folder:
+    with remote.fetched(path, sharded.first_files) as folder:  # a rank's shards come as DCP plans its reads
         return _load_folder(rig, folder, state, strict, map_location=map_location, verify=verify, prepare=prepare)
 
 

@@ -11,7 +11,7 @@ import io
 import pathlib
 import pickle
 import pickletools
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,8 +198,13 @@ def parse_dcp_metadata(path: Path, data: bytes, files: Collection[str]) -> Any:
     return md
 
 
-def checked_reader(folder: Path, md: Any) -> Any:
-    """DCP's file reader for ``folder``, whose metadata is ``md`` (already read safely), never the file."""
+def checked_reader(folder: Path, md: Any, before_read: Callable[[set[str]], None]) -> Any:
+    """DCP's file reader for ``folder``, whose metadata is ``md`` (already read safely), never the file.
+
+    ``before_read(names)`` gets the shard files this rank's read plan names (and no other) as the
+    rank plans, before any rank reads: it makes them present and checks them. What it raises on
+    any rank fails the load on every rank (DCP gathers the plans) before a tensor is written.
+    """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -209,6 +214,10 @@ def checked_reader(folder: Path, md: Any) -> Any:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
+
+        def prepare_local_plan(self, plan: Any) -> Any:  # DCP gathers its failure from every rank
+            before_read({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            return plan
 
     return CheckedReader(str(folder))
 
@@ -259,6 +268,8 @@ def refuse_code(folder: Path) -> Iterator[None]:
             raise
         rank, failure = next(iter(err.failures.items()), (0, (err, None)))
         cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, CheckpointError):  # a rank's shard refused before any rank read: said as it is
+            raise CheckpointError(str(cause)) from None
         first = (str(cause).splitlines() or [""])[0]
         raise CheckpointError(
             f"could not read the shards of {folder}: DCP failed on rank {rank}: {type(cause).__name__}: {first}; "

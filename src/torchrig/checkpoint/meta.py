@@ -41,6 +41,20 @@ def trained_epoch(epoch: int, batch_idx: int, *, epoch_finished: bool, val_pendi
     return epoch - 1 if between_epochs and epoch > 0 else epoch
 
 
+def epoch_text(epoch: int, max_epochs: Any = None) -> str:
+    """How every text torchrig prints names an epoch: counted from 0, as checkpoint names
+    (``epoch=2-step=30``, :func:`trained_epoch`), ``trainer.current_epoch`` and the logged
+    ``epoch`` count it, with the fit's last epoch after a slash when ``max_epochs`` bounds it
+    (Lightning's rich progress bar says it the same way).
+
+    Example:
+        >>> epoch_text(2, 10)
+        '2/9'
+    """
+    last = f"/{max_epochs - 1}" if isinstance(max_epochs, int) and max_epochs > 0 else ""
+    return f"{epoch}{last}"
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, dict):
         return "a JSON object"

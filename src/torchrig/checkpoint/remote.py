@@ -13,7 +13,9 @@ the checkpoints holding the name it points at, written after the commit. Older v
 then ``keep_last`` deletes the checkpoints beside it least far in training, in the order of a
 local folder (step, then ``save_count``; never a clock); a crash at any point leaves the previous
 ``last`` loadable. A read downloads the committed files to a local temp folder and checks them
-there as a local load does (:func:`fetched`), so every guarantee of the reader holds unchanged.
+there as a local load does (:func:`fetched`), so every guarantee of the reader holds unchanged;
+a reader that needs only some of them (a rank of a sharded load: its own shards) names them, and
+the rest are never downloaded (:func:`fetch_listed`).
 
 ``file://`` URLs are local paths and take the local code path (:func:`local_path`).
 """
@@ -28,7 +30,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,9 @@ from torchrig.checkpoint.reading import read_meta
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 _VERSION = re.compile(r"v-[0-9]{20}-[0-9a-f]{8}")
 POINTER_LIMIT = 4096  # a ``last`` object holds one checkpoint name
+_STAGE_PREFIX = "torchrig-stage-"
+# What each open fetched() folder has still to download on request: folder -> fetch(names).
+_LATER: dict[str, Callable[[Collection[str]], None]] = {}  # keyed by the folder's real path
 
 
 class CheckpointURL(str):
@@ -167,10 +172,13 @@ def locate(url: CheckpointURL) -> tuple[Any, str, CheckpointURL, bytes]:
 
 
 @contextlib.contextmanager
-def fetched(path: str | os.PathLike[str]) -> Iterator[Path]:
+def fetched(
+    path: str | os.PathLike[str], names: Callable[[dict[str, Any]], Collection[str]] | None = None
+) -> Iterator[Path]:
     """The checkpoint folder at ``path`` to read: a local one as it is (:func:`resolve_checkpoint`);
     one on object storage downloaded to a temp folder (removed afterwards): its ``meta.json``
-    first, checked against the schema, then only the files it lists."""
+    first, checked against the schema, then only the files it lists: every one, or with ``names``
+    the ones ``names(meta)`` returns; the others come only if a reader asks (:func:`fetch_listed`)."""
     url = as_url(path)
     if url is None:
         yield resolve_checkpoint(local_path(path))
@@ -180,12 +188,32 @@ def fetched(path: str | os.PathLike[str]) -> Iterator[Path]:
         try:
             (folder / META).write_bytes(raw)
             meta = read_meta(folder)  # the names it lists are plain file names (checked)
-            _download(fs, version, origin, meta["files"], folder)
+            listed: dict[str, dict[str, Any]] = meta["files"]
+            first = listed if names is None else {n: listed[n] for n in names(meta) if n in listed}
+            _download(fs, version, origin, first, folder)
+
+            def later(wanted: Collection[str]) -> None:
+                rest = {n: listed[n] for n in sorted(wanted) if n in listed and not os.path.lexists(folder / n)}
+                _download(fs, version, origin, rest, folder)
+
+            _LATER[os.path.realpath(folder)] = later
             yield folder
-        except CheckpointError as err:  # the reader's refusal names the stored object, not the temp copy
-            if str(folder) not in str(err):
+        except CheckpointError as err:  # the reader's refusal names the stored object, not a temp copy
+            staged = re.escape(os.path.join(tempfile.gettempdir(), _STAGE_PREFIX)) + "[A-Za-z0-9_]+"
+            text = re.sub(staged, lambda _: origin, str(err))  # this rank's temp folder, or another rank's (sharded)
+            if text == str(err):
                 raise
-            raise CheckpointError(str(err).replace(str(folder), origin)).with_traceback(err.__traceback__) from None
+            raise CheckpointError(text).with_traceback(err.__traceback__) from None
+        finally:
+            _LATER.pop(os.path.realpath(folder), None)
+
+
+def fetch_listed(folder: Path, names: Collection[str]) -> None:
+    """Download the files ``names`` (listed in its ``meta.json``) of a checkpoint :func:`fetched`
+    yielded as ``folder`` that are not there yet; nothing for a local folder (all its files are)."""
+    later = _LATER.get(os.path.realpath(folder))
+    if later is not None:
+        later(names)
 
 
 def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any]], folder: Path) -> None:
@@ -203,7 +231,7 @@ def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any
             raise
         raise CheckpointError(
             f"{origin}/{missing[0]} is missing; {META} lists it ({files[missing[0]]['size']} bytes): the "
-            f"checkpoint was changed after its commit ({len(missing)} of its {len(names)} files missing); "
+            f"checkpoint was changed after its commit ({len(missing)} missing of the {len(names)} files fetched); "
             "load an earlier checkpoint"
         ) from None
 
@@ -217,7 +245,7 @@ def remote_origin(path: str | os.PathLike[str]) -> str | None:
 @contextlib.contextmanager
 def staging() -> Iterator[Path]:
     """A private local temp folder for a checkpoint on its way to or from object storage."""
-    folder = Path(tempfile.mkdtemp(prefix="torchrig-stage-"))
+    folder = Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX))
     try:
         yield folder
     finally:

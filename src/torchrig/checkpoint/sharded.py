@@ -59,15 +59,37 @@ from torchrig.checkpoint.storable import check_weights_only
 from torchrig.checkpoint.tensors import payload_bytes
 
 
+def first_files(meta: dict[str, Any]) -> list[str]:
+    """The files a read of the checkpoint ``meta`` describes needs before it knows which shards it
+    reads: every file of a whole checkpoint; of a sharded one ``state.pt`` and DCP's ``.metadata``
+    (the shards come when DCP's read plan names them, :func:`_shards_ready`). What
+    :func:`~torchrig.checkpoint.remote.fetched` downloads first."""
+    if not meta.get("sharded"):
+        return list(meta["files"])
+    return [STATE_FILE, DCP_METADATA]
+
+
 def _verified_metadata(reader: Any, meta: dict[str, Any]) -> Any:
-    """Start checking every file of a sharded checkpoint; DCP's metadata, parsed safely and verified."""
-    for name in meta["files"]:
-        if name != DCP_METADATA:
-            reader.path(name)
+    """DCP's metadata, parsed safely once its bytes match ``meta.json`` (and every file whose
+    check ``reader`` has started is checked too)."""
     data = reader.checked_bytes(DCP_METADATA)  # compared with meta.json before it is parsed
     md = parse_dcp_metadata(reader.folder / DCP_METADATA, data, files=frozenset(meta["files"]))
     reader.check()
     return md
+
+
+def _shards_ready(folder: Path, meta: dict[str, Any], *, verify: bool) -> Callable[[set[str]], None]:
+    """What DCP's reader calls with the shard files this rank reads: each downloaded if the
+    checkpoint is on object storage (only these), then checked against its size and SHA-256."""
+
+    def ready(names: set[str]) -> None:
+        remote.fetch_listed(folder, names)
+        with VerifiedReader(folder, meta, verify=verify) as reader:
+            for name in sorted(names):
+                reader.path(name)
+            reader.check()
+
+    return ready
 
 
 def _owner(module_items: dict[str, nn.Module], optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -365,6 +387,7 @@ def load(
     entries = meta["entries"]
     check_entries(folder, entries, state, strict)
     with VerifiedReader(folder, meta, verify=verify) as reader:
+        reader.path(STATE_FILE)  # its hash starts; checked with the metadata's
         md = _verified_metadata(reader, meta)
         blob = safe_torch_load(reader.path(STATE_FILE), map_location=rig.device)
     if prepare is not None:
@@ -377,7 +400,8 @@ def load(
     stateless, nested = _stateless_in(md, wanted), _nested_in(md, wanted)
     shards = dcp_state({k: m for k, m in modules.items() if k in entries}, wanted, stateless, nested)
     with refuse_code(folder):
-        dcp.load(shards, storage_reader=checked_reader(folder, md), planner=safe_planner())
+        storage = checked_reader(folder, md, _shards_ready(folder, meta, verify=verify))
+        dcp.load(shards, storage_reader=storage, planner=safe_planner())
     for k, m in modules.items():
         if k in shards:
             set_model_state_dict(m, shards[k])
@@ -449,5 +473,6 @@ def consolidate_dcp(folder: Path, meta: dict[str, Any]) -> dict[str, dict[str, t
     # What dcp_to_torch_save does (it is DCP's own converter), but with the weights_only planner.
     sd: dict[str, Any] = {}
     with refuse_code(folder):
-        _load_state_dict(sd, storage_reader=checked_reader(folder, md), planner=safe_planner(keys=keys), no_dist=True)
+        storage = checked_reader(folder, md, _shards_ready(folder, meta, verify=True))
+        _load_state_dict(sd, storage_reader=storage, planner=safe_planner(keys=keys), no_dist=True)
     return {k: {n: t for n, t in sd.get(k, {}).items() if isinstance(t, torch.Tensor)} for k in keys}

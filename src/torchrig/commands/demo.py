@@ -96,12 +96,12 @@ def _process_start() -> float:
 def _what_was_trained(result: DemoResult) -> str:
     first, last, seconds = result.first_epoch, result.epochs, result.fit_seconds
     if first is None and result.spawned:
-        return f"trained up to epoch {last} in {result.processes} worker processes in {seconds:.1f} s"
+        return f"trained up to epoch {last - 1} in {result.processes} worker processes in {seconds:.1f} s"
     if first is None:
         return f"no epoch trained: the run already has {last}; raise --max-epochs to train more"
     if first == 0:
         return f"{last} epoch{'' if last == 1 else 's'} trained in {seconds:.1f} s"
-    epochs = f"epoch {last}" if first + 1 == last else f"epochs {first + 1}-{last}"
+    epochs = f"epoch {first}" if first + 1 == last else f"epochs {first}-{last - 1}"  # counted from 0, as the bar
     return f"resumed: {epochs} trained in {seconds:.1f} s"
 
 

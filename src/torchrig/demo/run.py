@@ -15,6 +15,7 @@ import torch
 from torchrig.arguments import directory, int_in_range
 from torchrig.checkpoint.entries import module_counts
 from torchrig.checkpoint.files import resolve_checkpoint
+from torchrig.checkpoint.meta import epoch_text
 from torchrig.checkpoint.reading import read_meta
 from torchrig.demo.data import DigitsDataModule
 from torchrig.demo.model import DigitsCNN
@@ -66,10 +67,10 @@ class _FirstEpoch(Callback):
         self.epoch = trainer.current_epoch
         if self.resumed:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
-            horizon = f"of {trainer.max_epochs} " if trainer.max_epochs > 0 else ""
             trainer.rig.print(
                 f"torchrig demo: resumed after {self.epoch} epoch{'' if self.epoch == 1 else 's'} "
-                f"(step {trainer.global_step}); epoch {self.epoch + 1} {horizon}starts at learning rate {lr:.3g}"
+                f"(step {trainer.global_step}); epoch {epoch_text(self.epoch, trainer.max_epochs)} starts at learning "
+                f"rate {lr:.3g}"
             )
 
 

@@ -2,7 +2,8 @@
 
 In a terminal (or Jupyter) it draws one bar for training and one for the evaluation running,
 with it/s, ETA, the loss and the metrics logged with ``prog_bar=True``, and leaves one finished
-line per epoch above the bar (the same line plain output prints), so the history stays on screen
+line per epoch above the bar (the same line plain output prints; epochs counted from 0, as
+checkpoint names count them: :func:`~torchrig.checkpoint.meta.epoch_text`), so the history stays on screen
 and an epoch shorter than ``refresh_interval`` still shows its steps, rate and metrics (lines of
 short epochs are printed together, at most every ``refresh_interval``). Elsewhere
 (a log file, CI) it prints one line per training epoch and per evaluation with the metrics.
@@ -27,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
 from torchrig import arguments
+from torchrig.checkpoint.meta import epoch_text
 from torchrig.trainer.callbacks import EVERY_TIME, Callback, EventSchedule
 from torchrig.trainer.metrics import to_floats
 
@@ -119,7 +121,7 @@ class ProgressBar(Callback):
 
     def _show_train(self, trainer: Trainer, *, refresh: bool) -> None:
         if self._progress is not None:
-            desc = f"Epoch {self._epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}"
+            desc = f"Epoch {epoch_text(self._epoch, getattr(trainer, 'max_epochs', None))}"
             fields = self._train.fields(self._metrics_text)
             self._progress.update(self._train_task, description=desc, visible=True, **fields)
             self._shown_epoch = self._epoch
@@ -150,7 +152,7 @@ class ProgressBar(Callback):
             return
         metrics = self._train_values(trainer)  # tensors: converted when the line is printed
         line = (
-            f"Epoch {trainer.current_epoch + 1}{_of(getattr(trainer, 'max_epochs', None))}: "
+            f"Epoch {epoch_text(trainer.current_epoch, getattr(trainer, 'max_epochs', None))}: "
             f"{self._train.done()} steps in {self._train.elapsed():.2f}s ({self._train.rate():.1f} it/s)"
         )
         if self._progress is None:
@@ -353,10 +355,6 @@ def _eval_batches(trainer: Trainer, stage: str) -> Any:
 
 def _title(stage: str) -> str:
     return _STAGE_TITLES.get(stage, stage.capitalize())
-
-
-def _of(max_epochs: Any) -> str:
-    return f"/{max_epochs}" if isinstance(max_epochs, int) and max_epochs > 0 else ""
 
 
 def _fmt(value: float) -> str:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchrig import arguments
 from torchrig.checkpoint import read_summary
+from torchrig.checkpoint.meta import epoch_text
 from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
 from torchrig.data import RigDataLoader
 from torchrig.preemption import restart_count
@@ -114,7 +115,7 @@ def resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
         tr.run.resumed_from = path.resolve()
         shown = f"{path} -> {tr.run.resumed_from.name}" if path.is_symlink() else str(tr.run.resumed_from)
     fs = tr.fit_state
-    epoch = fs.epoch + 2 if fs.epoch_finished else fs.epoch + 1  # counted from 1, as the progress bar does
+    epoch = epoch_text(fs.epoch + 1 if fs.epoch_finished else fs.epoch, tr.max_epochs)  # as names and the bar
     mid = fs.batch_idx and not fs.epoch_finished
     where = f"in epoch {epoch} after {fs.batch_idx} batches" if mid else f"with epoch {epoch}"
     tr.rig.print(f"torchrig: resumed from {shown}: continues {where}, step {fs.global_step}")

@@ -431,8 +431,13 @@ class Trainer:
     @overload
     def save_checkpoint(self, path: str | os.PathLike[str], *, link: str | None = ..., blocking: bool) -> Any: ...
 
-    def save_checkpoint(self, path: str | os.PathLike[str], *, link: str | None = "last", blocking: bool = True) -> Any:
+    def save_checkpoint(self, path: str | os.PathLike[str], *, link: str | None = None, blocking: bool = True) -> Any:
         """Save everything a resumed fit needs to the checkpoint directory ``path`` (all ranks call it).
+
+        It writes that checkpoint and nothing else: no link moves, so a save inside a
+        ``ModelCheckpoint``'s ``dirpath`` leaves the callback's ``last`` (what ``ckpt_path="last"``
+        resumes from) where the callback put it. ``link="last"`` points the link of that name
+        beside ``path`` at it (what ``ModelCheckpoint`` passes).
 
         ``blocking=False``: ``rig.save``'s background save; returns its
         :class:`~torchrig.checkpoint.SaveHandle` (the loggers hear of the checkpoint once it is committed).
