@@ -1,6 +1,7 @@
 """Under ``accumulate_grad_batches=3`` (a loader without a length is read one batch ahead), a fit
 stopped and resumed from ``last`` three times inside one epoch trains the batches of the fit never
-stopped, batch for batch, and ends with its weights, bitwise, for every kind of pipeline."""
+stopped, batch for batch, and ends with its weights, bitwise, for every kind of pipeline; and a
+stream's fit saved after its epoch ended (at the validation that follows) resumes with the next."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_data_resume import Samples, Stream, _hf_stream, assert_same_fit, fit_in_pieces
+from test_data_resume import IdRegressor, Samples, Stream, _hf_stream, assert_same_fit, fit_in_pieces
 from torch.utils.data import DataLoader, WeightedRandomSampler
+from trainer_helpers import quiet_trainer
+
+import torchrig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,3 +52,42 @@ def test_three_resumes_inside_an_accumulating_epoch_train_the_uninterrupted_batc
     assert len(whole[0]) == 10 and whole[2]["state"][0]["step"] == 4  # the partial window stepped
     pieces = fit_in_pieces(tmp_path / "pieces", PIPELINES[name], [1, 2, 3], **kwargs)
     assert_same_fit(whole, pieces)
+
+
+class StopAfterFirstValidation(torchrig.Callback):
+    """Saves a checkpoint where the first epoch's validation ends, and stops the fit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_validation_end(self, trainer: torchrig.Trainer, module: torchrig.TrainingModule) -> None:
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+@pytest.mark.filterwarnings("ignore:resuming the Stream:UserWarning")
+@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("name", ["stateful_stream", "plain_stream", "hf_stream"])
+def test_a_stream_saved_after_its_epoch_ended_resumes_with_the_next_epoch(
+    tmp_path: Path, name: str, accumulate: int
+) -> None:
+    # Without a length, the epoch's end is known when the stream ends; the validation after it
+    # saves a position of an epoch read to its end. The resumed fit trained a whole new epoch of
+    # a stateful stream as the "rest" of that one (a third epoch of data in a fit of two).
+    def fit(callbacks: list[torchrig.Callback], ckpt_path: Path | None = None) -> list[list[int]]:
+        torch.manual_seed(0)
+        module = IdRegressor()
+        trainer = quiet_trainer(
+            tmp_path, seed=7, max_epochs=2, accumulate_grad_batches=accumulate, callbacks=callbacks,
+            num_sanity_val_steps=0, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, PIPELINES[name](), DataLoader(Samples(8), batch_size=4), ckpt_path=ckpt_path)
+        return module.trained
+
+    whole = fit([])
+    assert len(whole) == 20
+    saved = tmp_path / "at_validation.ckpt"
+    first = fit([StopAfterFirstValidation(saved)])
+    assert len(first) == 10
+    assert first + fit([], saved) == whole

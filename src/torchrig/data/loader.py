@@ -118,7 +118,7 @@ class RigDataLoader:
       epoch starts;
     - from the end of an epoch read to its end until the next epoch starts: that end, saved
       with ``ended`` (a stream's batches and own state cannot say it ended), so a resume from it
-      starts the next epoch.
+      gives nothing more of that epoch (a loader with a length resumes at the next one).
 
     ``set_epoch`` forgets it (the next ``iter()`` starts that epoch from its start). Twice in a
     row, :meth:`state_dict` gives the same position.
@@ -198,7 +198,10 @@ class RigDataLoader:
         self.batches_seen = skip
         self._unfinished = True
         if skip:  # (a position to skip to was loaded: ``position`` is that state)
-            it = self._resumed_epoch(skip, None if position is None else position.get("loader_state"))
+            loaded = position or {}
+            # An epoch read to its end has nothing left, whatever a stream would give if read again
+            # (a loader with a length resumes at its next epoch: nothing to skip there).
+            it = iter(()) if loaded.get("ended") else self._resumed_epoch(skip, loaded.get("loader_state"))
         else:
             generator = self.loader.generator
             self._epoch_rng = {
@@ -218,8 +221,8 @@ class RigDataLoader:
             if on_batch is not None:
                 on_batch(self)
             yield move_batch(batch, device, non_blocking) if move else batch
-        # Read to its end: the position is the next epoch's start, also for a stream, whose
-        # batches and own state do not say that it ended (the next epoch needs no such state).
+        # Read to its end: the position says so, also for a stream, whose batches and own state
+        # do not (a resume from it gives nothing more of this epoch: the next starts afresh).
         self._position = {**self._here(self.batches_seen, None), "ended": True}
         self._unfinished = False
 
@@ -398,9 +401,7 @@ class RigDataLoader:
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             sampler.seed = self.seed
-        if state.get("ended"):  # the epoch was read to its end
-            epoch, seen = epoch + 1, 0
-        elif isinstance(sampler, ResumableSampler) and "samples_seen" in state and epoch >= 0:
+        if isinstance(sampler, ResumableSampler) and "samples_seen" in state and epoch >= 0:
             epoch, seen = self._batches_for(state, epoch, sampler)
         if epoch >= 0 and seen >= length_of(self.loader):
             epoch, seen = epoch + 1, 0
