@@ -15,6 +15,9 @@ from torchrig.data.iterable import is_stateful, is_stateful_loader
 from torchrig.data.samplers import ResumableSampler, ResumedIndices
 from torchrig.nested import move_batch
 
+#: The entries of a saved position that hold one value per rank (in rank order).
+_PER_RANK = ("epoch_rng", "loader_state")
+
 
 def length_of(loader: Any) -> int | float:
     """``len(loader)``, or ``inf`` for one without a length (a DataLoader over an IterableDataset
@@ -101,6 +104,24 @@ class RigDataLoader:
     batch is given out, whether it is the epoch's last. The saved position stays the last batch
     given out: the batch read ahead is read again after a resume (a stateful stream's position is
     taken before it is read).
+
+    The position :meth:`state_dict` saves has one source: this rank's part of it, kept while the
+    loader's own progress (the epoch, the batches given out, a stream's own state) does not say
+    it, else computed from that progress. It is kept
+
+    - from :meth:`load_state_dict` until the next epoch starts (``iter()``), which consumes it
+      (a stream's position goes to its StatefulDataLoader) and forgets it: until then nothing was
+      consumed, and the state saved is the one loaded, as given;
+    - while reading ahead, from each batch given out until the next: the position after that
+      batch, taken before the batch after it is read;
+    - from :meth:`end_workers` (the position where the unfinished epoch stopped) until the next
+      epoch starts;
+    - from the end of an epoch read to its end until the next epoch starts: that end, saved
+      with ``ended`` (a stream's batches and own state cannot say it ended), so a resume from it
+      gives nothing more of that epoch (a loader with a length resumes at the next one).
+
+    ``set_epoch`` forgets it (the next ``iter()`` starts that epoch from its start). Twice in a
+    row, :meth:`state_dict` gives the same position.
     """
 
     def __init__(
@@ -127,8 +148,6 @@ class RigDataLoader:
         self._resume_at: tuple[int, int] | None = None
         #: torch's RNG state (and the loader's own generator's) when the current epoch started.
         self._epoch_rng: dict[str, Any] | None = None
-        #: The StatefulDataLoader's state to continue from at the next (resumed) ``iter()``.
-        self._loader_state: dict[str, Any] | None = None
         #: True: read an epoch without a length one batch ahead, to know its last batch.
         self.look_ahead = False
         #: The batches of an epoch the loop takes at most (the Trainer's ``limit_train_batches``,
@@ -137,13 +156,14 @@ class RigDataLoader:
         #: Whether the batch last given out is the last of its epoch, as the look-ahead found
         #: (always False for a loader with a length, or without ``look_ahead``).
         self.at_last_batch = False
-        #: A stateful stream's position after the batch last given out, taken before the batch
-        #: after it was read ahead, or before :meth:`end_workers` dropped the epoch's iterator
-        #: (None: the loader's own state is that position).
+        #: This rank's part of the position to save (:meth:`state_dict`'s entries, each rank's
+        #: ``epoch_rng`` and ``loader_state`` as this rank's alone), while the loader's progress
+        #: does not say it; None: the progress says it. Set by :meth:`load_state_dict` (the state
+        #: loaded: a position from another batch size is not rounded to this loader's batches),
+        #: by reading ahead (the position before the batch read ahead), by :meth:`end_workers` and
+        #: at an epoch's end; consumed and forgotten when the next epoch starts (the class
+        #: docstring has the cycle).
         self._position: dict[str, Any] | None = None
-        #: The state last loaded, until the next ``iter()``: saved again as it was given (a
-        #: position from another batch size is not rounded to this loader's batches).
-        self._loaded: dict[str, Any] | None = None
         #: Said when the resumed epoch starts: samples of the loaded position seen again.
         self._seen_again: str | None = None
         #: An epoch was started and not read to its end (its iterator may hold worker processes).
@@ -159,10 +179,10 @@ class RigDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` run epoch ``epoch`` (normally counted for you)."""
-        self._resume_at, self._loaded, self._seen_again = (epoch, 0), None, None
+        self._resume_at, self._position, self._seen_again = (epoch, 0), None, None
 
     def __iter__(self) -> Iterator[Any]:
-        self._loaded = None
+        position, self._position = self._position, None  # consumed: the epoch starting now moves on from it
         if self._seen_again is not None:  # only a loader that runs the resumed epoch sees them again
             warnings.warn(self._seen_again, stacklevel=2)
             self._seen_again = None
@@ -177,17 +197,19 @@ class RigDataLoader:
                 set_epoch(self.epoch)
         self.batches_seen = skip
         self._unfinished = True
-        if skip:
-            it = self._resumed_epoch(skip)
+        if skip:  # (a position to skip to was loaded: ``position`` is that state)
+            loaded = position or {}
+            # An epoch read to its end has nothing left, whatever a stream would give if read again
+            # (a loader with a length resumes at its next epoch: nothing to skip there).
+            it = iter(()) if loaded.get("ended") else self._resumed_epoch(skip, loaded.get("loader_state"))
         else:
-            self._loader_state = None
             generator = self.loader.generator
             self._epoch_rng = {
                 "torch": torch.get_rng_state(),
                 "generator": None if generator is None else generator.get_state(),
             }
             it = iter(self.loader)
-        self.at_last_batch, self._position = False, None
+        self.at_last_batch = False
         if self.look_ahead and math.isinf(length_of(self.loader)):
             it = self._read_ahead(it)
         device = self.device
@@ -199,6 +221,9 @@ class RigDataLoader:
             if on_batch is not None:
                 on_batch(self)
             yield move_batch(batch, device, non_blocking) if move else batch
+        # Read to its end: the position says so, also for a stream, whose batches and own state
+        # do not (a resume from it gives nothing more of this epoch: the next starts afresh).
+        self._position = {**self._here(self.batches_seen, None), "ended": True}
         self._unfinished = False
 
     def end_workers(self) -> None:
@@ -216,7 +241,8 @@ class RigDataLoader:
         if not (self._unfinished and is_stateful_loader(loader) and loader.num_workers > 0):
             return
         if self._position is None:  # (reading ahead, the position is the one before the batch read ahead)
-            self._position = loader.state_dict()  # type: ignore[attr-defined]
+            own = loader.state_dict() if self._keeps_stream_position() else None  # type: ignore[attr-defined]
+            self._position = self._here(self.batches_seen, own)
         loader.load_state_dict({})  # type: ignore[attr-defined]  # drops its iterator, the workers' last holder
         self._unfinished = False
 
@@ -225,15 +251,15 @@ class RigDataLoader:
         or reached :attr:`epoch_limit`: then :attr:`at_last_batch` is set). A stateful stream's
         position is taken before the next batch is read, so a checkpoint holds the position after
         the batch given out."""
-        stateful = isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader)
-        position = self.loader.state_dict if stateful else None  # type: ignore[attr-defined]
+        position = self.loader.state_dict if self._keeps_stream_position() else None  # type: ignore[attr-defined]
         try:
             batch = next(it)
         except StopIteration:
             return
         while True:
-            after = None if position is None else position()
-            if self.batches_seen + 1 >= self.epoch_limit:  # (counted once this batch is given out)
+            # (this batch is counted once given out: the position after it has one batch more)
+            after = None if position is None else self._here(self.batches_seen + 1, position())
+            if self.batches_seen + 1 >= self.epoch_limit:
                 self.at_last_batch = True  # the last the loop takes: the batch after it stays unread
             else:
                 try:
@@ -246,8 +272,9 @@ class RigDataLoader:
                 return
             batch = following
 
-    def _resumed_epoch(self, skip: int) -> Iterator[Any]:
-        """The current epoch after its first ``skip`` batches, drawn as the epoch first was.
+    def _resumed_epoch(self, skip: int, loader_state: dict[str, Any] | None) -> Iterator[Any]:
+        """The current epoch after its first ``skip`` batches, drawn as the epoch first was
+        (a stream in a StatefulDataLoader continues from ``loader_state``, its saved position).
 
         Torch's RNG is set to the epoch's starting state while the epoch's iterator starts (the
         workers' seed and a random sampler's order are drawn then) and given back after, so the
@@ -262,9 +289,8 @@ class RigDataLoader:
             # Without the epoch's state (a checkpoint from before it was saved), the DataLoader's
             # draw is not repeated: the restored RNG state is already after it.
             if isinstance(loader.dataset, IterableDataset):
-                if self._loader_state is not None:  # the dataset's (and workers') own position
-                    loader.load_state_dict(self._loader_state)  # type: ignore[attr-defined]
-                    self._loader_state = None
+                if loader_state is not None and is_stateful_loader(loader):  # the dataset's (workers') own
+                    loader.load_state_dict(loader_state)  # type: ignore[attr-defined]
                     return iter(loader)
                 self._warn_replay(skip)
                 it = iter(loader)
@@ -308,31 +334,41 @@ class RigDataLoader:
         A loader with a :class:`ResumableSampler` also records ``samples_seen``, the samples
         of the epoch's global order that all ranks together consumed (``len(dataset)`` once the
         epoch is over), with the ``num_replicas`` and ``batch_size`` it ran with, so a run with
-        another number of processes or batch size resumes at the same place in the data.
-        Between ``load_state_dict`` and the next ``iter()`` it is the state loaded, as given.
+        another number of processes or batch size resumes at the same place in the data. A
+        stream in a StatefulDataLoader records ``loader_state``, each rank's position in it.
+        Between ``load_state_dict`` and the next ``iter()`` it is the state loaded, as given
+        (each rank's ``epoch_rng`` only when saved by as many processes as this run has).
         """
-        if self._loaded is not None:
-            return dict(self._loaded)
-        state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed}
-        if self._epoch_rng is not None:
-            state["epoch_rng"] = self._every_rank(self._epoch_rng)
-        if isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader):
-            # The position kept while reading ahead, else one loaded and not yet resumed from, else
-            # the loader's own (which is as far as the loop consumed).
-            position = self._position if self._position is not None else self._loader_state
-            if position is None:
+        local = self._position
+        if local is None:  # the progress says it: the batches given out, a stream's own state
+            position = None
+            if self._keeps_stream_position():
                 with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
                     position = self.loader.state_dict()  # type: ignore[attr-defined]
-            state["loader_state"] = self._every_rank(position)
+            local = self._here(self.batches_seen, position)
+        return {key: self._every_rank(value) if key in _PER_RANK else value for key, value in local.items()}
+
+    def _keeps_stream_position(self) -> bool:
+        """Whether the loader is a StatefulDataLoader over a stream: the state saves its position."""
+        return isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader)
+
+    def _here(self, batches_seen: int, loader_state: dict[str, Any] | None) -> dict[str, Any]:
+        """This rank's part of the position after ``batches_seen`` batches of the current epoch,
+        a stream's being ``loader_state`` (None: the loader keeps none)."""
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": batches_seen, "seed": self.seed}
+        if self._epoch_rng is not None:
+            state["epoch_rng"] = self._epoch_rng
+        if loader_state is not None:
+            state["loader_state"] = loader_state
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             batch_size = self.loader.batch_size or 1
             n = len(sampler.data_source)
-            if self.batches_seen >= len(self.loader):
+            if batches_seen >= len(self.loader):
                 samples = n
             else:
                 # rank r took global positions r, r+R, ...: the ranks together consumed a prefix
-                samples = min(self.batches_seen * batch_size, sampler.num_samples) * sampler.num_replicas
+                samples = min(batches_seen * batch_size, sampler.num_samples) * sampler.num_replicas
             state.update(samples_seen=samples, num_replicas=sampler.num_replicas, batch_size=batch_size)
         return state
 
@@ -341,30 +377,32 @@ class RigDataLoader:
 
         A position saved by a different number of processes or batch size is converted through
         the global sample position; when it falls inside one of this loader's global batches,
-        the resume starts at that batch and warns how many samples are seen again.
+        the resume starts at that batch and warns how many samples are seen again. A stream's
+        position saved by another number of processes is refused (ValueError), and changes nothing.
         """
         epoch, seen = int(state["epoch"]), int(state["batches_seen"])
-        self._loaded, self._seen_again = dict(state), None
-        self.seed = int(state.get("seed", self.seed))
-        rngs = state.get("epoch_rng")
         rank, world = (0, 1) if self.strategy is None else (self.strategy.global_rank, self.strategy.world_size)
-        self._epoch_rng = rngs[rank] if rngs and len(rngs) == world else None
-        self._position = None  # the position of this run's last epoch, read ahead, is not the one loaded
         positions = state.get("loader_state")
-        if positions is not None and is_stateful_loader(self.loader):
-            if len(positions) != world:
-                raise ValueError(
-                    f"the checkpoint's {type(self.loader.dataset).__name__} stream was saved by {len(positions)} "
-                    f"processes, each at its own position in its share of the stream; this run has {world}. "
-                    f"Resume it with {len(positions)} processes: a position in one share of a stream does not say "
-                    "where another number of shares would be"
-                )
-            self._loader_state = positions[rank]
+        if positions is not None and len(positions) != world and is_stateful_loader(self.loader):
+            raise ValueError(
+                f"the checkpoint's {type(self.loader.dataset).__name__} stream was saved by {len(positions)} "
+                f"processes, each at its own position in its share of the stream; this run has {world}. "
+                f"Resume it with {len(positions)} processes: a position in one share of a stream does not say "
+                "where another number of shares would be"
+            )
+        # This rank's part of the state, kept (and saved again as it is) until the next epoch starts.
+        local = {key: value for key, value in state.items() if key not in _PER_RANK}
+        for key in _PER_RANK:
+            if state.get(key) and len(state[key]) == world:  # (another number's RNG states serve no rank here)
+                local[key] = state[key][rank]
+        self._position, self._seen_again = local, None
+        self.seed = int(state.get("seed", self.seed))
+        self._epoch_rng = local.get("epoch_rng")
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             sampler.seed = self.seed
-            if "samples_seen" in state and epoch >= 0:
-                epoch, seen = self._batches_for(state, epoch, sampler)
+        if isinstance(sampler, ResumableSampler) and "samples_seen" in state and epoch >= 0:
+            epoch, seen = self._batches_for(state, epoch, sampler)
         if epoch >= 0 and seen >= length_of(self.loader):
             epoch, seen = epoch + 1, 0
         self._resume_at = (max(epoch, 0), seen)
