@@ -154,3 +154,42 @@ def test_a_stream_position_saved_by_another_number_of_processes_is_refused() -> 
         "stream; this run has 1. Resume it with 2 processes: a position in one share of a stream does not say "
         "where another number of shares would be"
     )
+
+
+class _Seeds(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Sample ``i`` is ``(i, the seed of the process that made it)``: a worker's is its epoch's base seed + id."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, torch.initial_seed()
+
+
+def _seeded_loader() -> RigDataLoader:
+    """Workers whose base seed the loader's own ``generator=`` draws (torch's global RNG is not used)."""
+    loader = DataLoader(_Seeds(), batch_size=2, num_workers=1, generator=torch.Generator().manual_seed(5))
+    return _prepared(loader)
+
+
+def _pairs(batches: Any) -> list[list[tuple[int, int]]]:
+    return [list(zip(i.tolist(), s.tolist(), strict=True)) for i, s in batches]
+
+
+def test_the_loaders_own_generator_is_saved_and_restored_with_the_epoch(tmp_path: Any) -> None:
+    """docs/data.md: "The loader's own ``generator=`` is saved and restored with the epoch", so the
+    resumed epoch's workers get its base seed again (in a fresh process the generator starts over,
+    which would give epoch 1 the seed of epoch 0)."""
+    loader = _seeded_loader()
+    epoch_0 = _pairs(loader)
+    it = iter(loader)  # epoch 1
+    next(it), next(it)
+    rig = torchrig.Rig(accelerator="cpu", devices=1)
+    rig.save(tmp_path / "ck", {"data": loader})
+    rest, epoch_2 = _pairs(it), _pairs(loader)
+    assert {s for b in rest for _, s in b} != {s for b in epoch_0 for _, s in b}  # a new base seed each epoch
+
+    resumed = _seeded_loader()  # as a new process builds it: its generator at manual_seed(5) again
+    rig.load(tmp_path / "ck", {"data": resumed})
+    assert _pairs(resumed) == rest
+    assert _pairs(resumed) == epoch_2  # and the generator goes on as in the run never stopped
