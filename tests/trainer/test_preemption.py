@@ -90,6 +90,41 @@ def test_sigterm_stops_the_fit_at_that_step_saves_last_and_exits_143(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("scontrol", ["fails", "missing"])
+def test_a_requeue_that_fails_says_why_and_exits_with_128_plus_the_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], scontrol: str
+) -> None:
+    """docs/distributed.md: "If ``scontrol`` fails, the message says why and the exit status is
+    128 + the signal" (the checkpoint of the signal is saved all the same)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if scontrol == "fails":
+        fake = bin_dir / "scontrol"
+        fake.write_text(
+            "#!/bin/sh\necho 'slurm_requeue error: Requested operation is presently disabled' >&2\nexit 1\n"
+        )
+        fake.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    else:
+        monkeypatch.setenv("PATH", str(bin_dir))  # no scontrol anywhere
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    trainer = quiet_trainer(tmp_path, max_epochs=3, enable_checkpointing=True, callbacks=[SendAt(4, signal.SIGUSR1)])
+    assert trainer.requeue_signal == signal.SIGUSR1  # "auto" under SLURM
+    with pytest.raises(torchrig.Preempted) as info:
+        trainer.fit(Regressor(), loader(40))
+    assert info.value.code == 138 and not info.value.requeued
+    assert (tmp_path / "checkpoints" / "last").resolve().name == "epoch=0-step=4"
+    out, err = capfd.readouterr()
+    why = (
+        "`scontrol requeue 4242` exited with 1: slurm_requeue error: Requested operation is presently disabled"
+        if scontrol == "fails"
+        else "scontrol is not on PATH"
+    )
+    assert f"torchrig: could not requeue the job: {why}" in err, err
+    assert "saved step 4 as" in out and "requeued the job" not in out
+
+
+@pytest.mark.timeout(60)
 def test_signals_not_asked_for_and_handlers_of_the_program_are_left_alone(tmp_path: Path) -> None:
     off = SendAt(2, None)
     quiet_trainer(tmp_path / "off", max_epochs=1, stop_signals=None, callbacks=[off]).fit(Regressor(), loader(16))
