@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 from trainer_helpers import Regressor, loader, params, quiet_trainer
 
 import torchrig
+from conftest import python_env
 from torchrig.preemption import resolve_requeue_signal, resolve_signals, stopped_for_signal
 
 
@@ -87,6 +90,48 @@ def test_sigterm_stops_the_fit_at_that_step_saves_last_and_exits_143(
     clean_module = Regressor()
     quiet_trainer(tmp_path / "clean", max_epochs=3).fit(clean_module, loader(40))
     assert all(torch.equal(a, b) for a, b in zip(params(resumed_module), params(clean_module), strict=True))
+
+
+# A fit that gets SIGTERM after step 4, and SIGTERM again while it saves that step (in its own
+# process: were the second one not ignored, it would kill the process that got it).
+TERM_TWICE = r"""
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import torchrig
+from trainer_helpers import Regressor, loader, quiet_trainer
+
+class TermTwice(torchrig.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 4 and not trainer.interrupted:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        if trainer.interrupted:
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("sent SIGTERM again during the save", flush=True)
+
+quiet_trainer(Path(sys.argv[1]), max_epochs=3, enable_checkpointing=True, callbacks=[TermTwice()]).fit(
+    Regressor(), loader(40)
+)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_second_sigterm_while_the_stop_is_saved_does_not_cut_the_save_short(tmp_path: Path) -> None:
+    """docs/distributed.md: "A repeated SIGTERM while the run saves is ignored"."""
+    script = tmp_path / "term_twice.py"
+    script.write_text(TERM_TWICE)
+    here = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), here], capture_output=True, text=True, timeout=50, env=python_env()
+    )
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert "sent SIGTERM again during the save" in done.stdout, done.stdout
+    last = (tmp_path / "checkpoints" / "last").resolve()
+    assert last.name == "epoch=0-step=4" and f"saved step 4 as {last}" in done.stdout, done.stdout
+    assert torchrig.checkpoint.read_values(last)["step"] == 4
+    assert done.stderr.count("SIGTERM: stopping at the next optimizer step") == 1  # noted once
 
 
 @pytest.mark.timeout(60)
