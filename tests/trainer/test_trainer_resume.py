@@ -168,3 +168,23 @@ def test_save_checkpoint_without_a_run_in_this_process_says_where_the_run_is(tmp
     assert "under DDPStrategy (ddp_spawn, ddp_notebook) the runs live in the processes" in text
     assert "holds the trained weights (module.state_dict())" in text and "ModelCheckpoint" in text
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.timeout(30)
+def test_a_resumed_fit_skips_the_sanity_check(tmp_path: Path) -> None:
+    """docs/trainer.md: "A resumed fit skips the sanity check" (a first fit runs it)."""
+
+    class Sanity(torchrig.Callback):
+        def __init__(self) -> None:
+            self.checks = 0
+
+        def on_sanity_check_start(self, trainer: Any, module: Any) -> None:
+            self.checks += 1
+
+    first, second = Sanity(), Sanity()
+    kw: dict[str, Any] = {"enable_checkpointing": True, "num_sanity_val_steps": 2}
+    quiet_trainer(tmp_path, max_epochs=1, callbacks=[first], **kw).fit(Regressor(), loader(16), loader(8))
+    assert first.checks == 1
+    resumed = quiet_trainer(tmp_path, max_epochs=2, callbacks=[second], **kw)
+    resumed.fit(Regressor(), loader(16), loader(8), ckpt_path="last")
+    assert second.checks == 0 and resumed.global_step == 8
