@@ -232,6 +232,17 @@ def test_a_fit_that_stops_mid_epoch_ends_its_loader_workers_and_keeps_their_posi
     assert after["loader_state"][0]["_snapshot"]["_snapshot_step"] == 3
 
 
+def test_an_evaluation_that_stops_mid_epoch_ends_its_loader_workers(tmp_path: Path) -> None:
+    """docs/data.md: the Trainer ends a StatefulDataLoader's workers when a fit "(or evaluation)"
+    ends in the middle of an epoch (here ``limit_val_batches`` cuts the epoch)."""
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    trainer = quiet_trainer(tmp_path, limit_val_batches=2, enable_model_summary=False)
+    trainer.validate(IdRegressor(), DataLoader(Stream(40), batch_size=4, num_workers=2))
+    assert [p.pid for p in multiprocessing.active_children() if p.pid not in before] == []
+
+
 def test_a_stream_without_position_is_read_again_with_a_warning(tmp_path: Path) -> None:
     def make() -> DataLoader[Any]:
         return DataLoader(Stream(40, stateful=False), batch_size=4)
