@@ -188,3 +188,30 @@ def test_a_resumed_fit_skips_the_sanity_check(tmp_path: Path) -> None:
     resumed = quiet_trainer(tmp_path, max_epochs=2, callbacks=[second], **kw)
     resumed.fit(Regressor(), loader(16), loader(8), ckpt_path="last")
     assert second.checks == 0 and resumed.global_step == 8
+
+
+@pytest.mark.timeout(30)
+def test_a_fit_stopped_by_max_steps_inside_an_epoch_ends_it_and_its_checkpoint_resumes_the_next(
+    tmp_path: Path,
+) -> None:
+    """docs/trainer.md: a fit that ``max_steps`` stops inside an epoch ends that epoch as Lightning
+    does (its epoch-end hooks run, ``current_epoch`` moves on), so resuming from the checkpoint
+    written at the end of that fit starts the next epoch."""
+    seen: list[Any] = []
+
+    class Watch(torchrig.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seen.append((trainer.current_epoch, batch_idx))
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            seen.append(("epoch end", trainer.current_epoch, trainer.global_step))
+
+    first = quiet_trainer(tmp_path, max_epochs=2, max_steps=3, enable_checkpointing=True, callbacks=[Watch()])
+    first.fit(Regressor(), loader(32))  # 8 batches an epoch
+    assert seen == [(0, 0), (0, 1), (0, 2), ("epoch end", 0, 3)]
+    assert (first.current_epoch, first.global_step) == (1, 3)
+    assert (tmp_path / "checkpoints" / "last").resolve().name == "epoch=0-step=3"
+    seen.clear()
+    resumed = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True, callbacks=[Watch()])
+    resumed.fit(Regressor(), loader(32), ckpt_path="last")
+    assert seen[0] == (1, 0) and (resumed.current_epoch, resumed.global_step) == (2, 11)
