@@ -224,6 +224,26 @@ def test_a_restarted_job_resumes_from_last_by_itself_unless_switched_off(
     assert "resum" not in capsys.readouterr().out  # a first run never resumes by itself
 
 
+@pytest.mark.timeout(60)
+def test_an_explicit_ckpt_path_wins_over_the_automatic_resume_of_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/distributed.md: under a restart, "an explicit ``ckpt_path`` always wins"."""
+    import shutil
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
+    early = tmp_path / "early"
+    shutil.copytree((tmp_path / "checkpoints" / "last").resolve(), early)  # step 4
+    quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True).fit(Regressor(), loader(16))  # last: step 8
+    capsys.readouterr()
+    explicit = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True)
+    explicit.fit(Regressor(), loader(16), ckpt_path=early)
+    out = capsys.readouterr().out
+    assert f"torchrig: resumed from {early}: continues with epoch 2, step 4" in out, out
+    assert "restart 1 of this job" not in out and explicit.global_step == 8
+
+
 class _Done:
     def wait(self) -> bool:
         return True
