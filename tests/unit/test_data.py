@@ -193,3 +193,32 @@ def test_the_loaders_own_generator_is_saved_and_restored_with_the_epoch(tmp_path
     rig.load(tmp_path / "ck", {"data": resumed})
     assert _pairs(resumed) == rest
     assert _pairs(resumed) == epoch_2  # and the generator goes on as in the run never stopped
+
+
+@pytest.mark.parametrize("kind", ["weighted", "random"])
+def test_a_samplers_own_generator_is_not_in_the_checkpoint(kind: str) -> None:
+    """docs/data.md, "Not exact": a sampler given its own ``torch.Generator`` draws the resumed
+    epoch from whatever state that generator has in the new process (the checkpoint does not
+    hold it). A ``RandomSampler`` is the exception: ``prepare`` replaces it (its generator too) by
+    a ``ResumableSampler``, as for ``shuffle=True``, so it resumes exactly."""
+
+    def make() -> RigDataLoader:
+        g = torch.Generator().manual_seed(1)
+        if kind == "weighted":
+            sampler: Any = torch.utils.data.WeightedRandomSampler(torch.ones(40), 40, generator=g)
+        else:
+            sampler = torch.utils.data.RandomSampler(DATA, generator=g)
+        return _prepared(DataLoader(DATA, batch_size=8, sampler=sampler))
+
+    loader = make()
+    assert isinstance(loader.sampler, ResumableSampler) is (kind == "random")
+    list(loader)  # epoch 0 moved the sampler's generator on
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    rest = _ids(list(it))
+    resumed = make()  # a new process: the generator at manual_seed(1) again
+    resumed.load_state_dict(state)
+    again = _ids(list(resumed))
+    assert len(again) == len(rest) == 3
+    assert (again == rest) is (kind == "random")  # weighted: epoch 0's order again, not epoch 1's
