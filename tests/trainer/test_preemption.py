@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -210,6 +211,8 @@ def test_a_restarted_job_resumes_from_last_by_itself_unless_switched_off(
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
     assert "restart 1 of this job: no checkpoint at" in capsys.readouterr().out  # the first attempt saved nothing
+    early = tmp_path / "early"
+    shutil.copytree((tmp_path / "checkpoints" / "last").resolve(), early)  # step 4, for the explicit ckpt_path below
     resumed = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True)
     resumed.fit(Regressor(), loader(16))
     out = capsys.readouterr().out
@@ -219,29 +222,14 @@ def test_a_restarted_job_resumes_from_last_by_itself_unless_switched_off(
     fresh = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, auto_resume=False)
     fresh.fit(Regressor(), loader(16))
     assert "resum" not in capsys.readouterr().out and fresh.global_step == 4
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
-    assert "resum" not in capsys.readouterr().out  # a first run never resumes by itself
-
-
-@pytest.mark.timeout(60)
-def test_an_explicit_ckpt_path_wins_over_the_automatic_resume_of_a_restart(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """docs/distributed.md: under a restart, "an explicit ``ckpt_path`` always wins"."""
-    import shutil
-
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
-    early = tmp_path / "early"
-    shutil.copytree((tmp_path / "checkpoints" / "last").resolve(), early)  # step 4
-    quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True).fit(Regressor(), loader(16))  # last: step 8
-    capsys.readouterr()
     explicit = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True)
-    explicit.fit(Regressor(), loader(16), ckpt_path=early)
+    explicit.fit(Regressor(), loader(16), ckpt_path=early)  # an explicit ckpt_path always wins
     out = capsys.readouterr().out
     assert f"torchrig: resumed from {early}: continues with epoch 2, step 4" in out, out
     assert "restart 1 of this job" not in out and explicit.global_step == 8
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
+    assert "resum" not in capsys.readouterr().out  # a first run never resumes by itself
 
 
 class _Done:
