@@ -53,6 +53,25 @@ def test_sigterm_to_rank_1_only_stops_both_at_one_step_and_the_resumed_run_is_bi
 
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
+def test_a_signal_after_the_last_step_still_stops_both_ranks_with_last_saved_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/distributed.md: the ranks check once more, blocking, when the fit ends, "so a signal
+    during the last step still stops the run with ``last`` saved". The checks during the fit are
+    far apart here (an interval of 1000 s: polls 1, 2, 4, 8, 16, ...), so only that last check
+    can see a signal rank 1 gets after step 18, the last."""
+    monkeypatch.setenv("TORCHRIG_SIGNAL_CHECK_INTERVAL", "1000")
+    stopped = _fit(tmp_path, "stopped", "--signal", "SIGTERM", "--signal-rank", "1", "--signal-at", "18")
+    assert stopped.returncode == 143, explain(stopped)
+    last = (tmp_path / "stopped" / "checkpoints" / "last").resolve()
+    assert last.name == "epoch=2-step=18", explain(stopped)
+    for rank in (0, 1):
+        assert f"rank {rank} saved step 18 at {last}" in stopped.stdout, explain(stopped)
+    assert f"torchrig: SIGTERM: stopped the run; saved step 18 as {last}" in stopped.stdout, explain(stopped)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
 def test_a_rank_that_is_late_when_the_signal_comes_still_stops_at_the_same_step(tmp_path: Path) -> None:
     # The default check interval (1 s). Rank 0 sleeps 2 s at the step rank 1 is signalled, so it
     # reaches every later collective late.
@@ -71,7 +90,7 @@ def _fake_scontrol(folder: Path, record: Path, ckpt_root: Path) -> None:
     script = folder / "scontrol"
     script.write_text(
         "#!/bin/sh\n"
-        f'committed=$(ls {ckpt_root}/*/version_*/checkpoints/last/meta.json >/dev/null 2>&1 && echo yes || echo no)\n'
+        f"committed=$(ls {ckpt_root}/*/version_*/checkpoints/last/meta.json >/dev/null 2>&1 && echo yes || echo no)\n"
         f'echo "$* rank=$SLURM_PROCID committed=$committed" >> {record}\n'
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)

@@ -158,3 +158,38 @@ def test_model_checkpoint_writes_only_missing_paths_and_checkpoints(tmp_path: Pa
     with pytest.raises(CheckpointError, match=f"cannot save a checkpoint at {box / 't'}: it is {what}"):
         trainer.fit(Regressor(), loader(8))
     assert listing(box) == before
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["empty dir", "other dir", "file", "link to checkpoint"])
+@pytest.mark.parametrize("replacing", [False, True])
+def test_what_is_put_at_the_path_while_the_files_are_written_is_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, replacing: bool
+) -> None:
+    """The target is checked again just before the rename: what the user puts there while the
+    files are written (after the first check, before the commit) is refused, never swapped in
+    and deleted, and the save's temp directory is removed."""
+    from torchrig.checkpoint import files
+
+    box = tmp_path / "box"
+    box.mkdir()
+    if replacing:  # a checkpoint is at t when the save starts: the first check lets it be replaced
+        _checkpoint(box / "t", 1)
+    real = files.write_meta
+    seen: dict[str, str] = {}
+
+    def meanwhile(tmp: Path, meta: dict[str, Any], target: Path) -> None:
+        real(tmp, meta, target)  # every file of the new checkpoint is written; the commit comes next
+        if target == box / "t":
+            if replacing:
+                files.discard(target)
+            KINDS[kind][0](box)  # the user's work lands at t
+            seen.update({k: v for k, v in listing(box).items() if not k.startswith(".")})
+
+    monkeypatch.setattr(files, "write_meta", meanwhile)
+    with pytest.raises(CheckpointError) as caught:
+        torchrig.Rig(accelerator="cpu").save(box / "t", _state(7))
+    message = str(caught.value)
+    assert message.startswith(f"cannot save a checkpoint at {box / 't'}: it is "), message
+    assert re.search(KINDS[kind][2], message), message
+    assert seen and listing(box) == seen  # the user's thing as it was; no temp directory, no `last`

@@ -232,6 +232,17 @@ def test_a_fit_that_stops_mid_epoch_ends_its_loader_workers_and_keeps_their_posi
     assert after["loader_state"][0]["_snapshot"]["_snapshot_step"] == 3
 
 
+def test_an_evaluation_that_stops_mid_epoch_ends_its_loader_workers(tmp_path: Path) -> None:
+    """docs/data.md: the Trainer ends a StatefulDataLoader's workers when a fit "(or evaluation)"
+    ends in the middle of an epoch (here ``limit_val_batches`` cuts the epoch)."""
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    trainer = quiet_trainer(tmp_path, limit_val_batches=2, enable_model_summary=False)
+    trainer.validate(IdRegressor(), DataLoader(Stream(40), batch_size=4, num_workers=2))
+    assert [p.pid for p in multiprocessing.active_children() if p.pid not in before] == []
+
+
 def test_a_stream_without_position_is_read_again_with_a_warning(tmp_path: Path) -> None:
     def make() -> DataLoader[Any]:
         return DataLoader(Stream(40, stateful=False), batch_size=4)
@@ -264,6 +275,28 @@ def test_a_hugging_face_stream_with_workers_resumes_exactly(tmp_path: Path) -> N
     assert sorted(i for b in whole[0] for i in b) == list(range(40))
     pieces = fit_in_pieces(tmp_path / "pieces", make, [2, 5, 7])
     assert_same_fit(whole, pieces)
+
+
+def test_a_shuffled_hugging_face_stream_is_reshuffled_each_epoch_and_a_resume_loses_its_buffer(
+    tmp_path: Path,
+) -> None:
+    """docs/data.md: a Hugging Face stream is shuffled anew each epoch (``set_epoch`` is called for
+    you), but ``datasets`` saves no shuffle buffer's content: a resume refills the buffer from the
+    position after it, so the examples that were in it are not trained in that epoch."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(_hf_stream().shuffle(seed=3, buffer_size=8), batch_size=4)
+
+    whole = fit_in_pieces(tmp_path / "whole", make, [], max_epochs=2)
+    first, second = [i for b in whole[0][:10] for i in b], [i for b in whole[0][10:] for i in b]
+    assert sorted(first) == sorted(second) == list(range(40))
+    assert first != second  # epoch 1 is shuffled with its own seed
+    pieces = fit_in_pieces(tmp_path / "pieces", make, [3])
+    assert pieces[0][:3] == whole[0][:3]
+    trained = [i for b in pieces[0] for i in b]
+    assert len(set(trained)) == len(trained)  # nothing twice
+    lost = set(range(40)) - set(trained)
+    assert 0 < len(lost) <= 8, lost  # at most the buffer's size
 
 
 def test_validation_at_the_end_of_an_epoch_of_a_stream_and_fractions_refused(tmp_path: Path) -> None:

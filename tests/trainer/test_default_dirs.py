@@ -64,6 +64,29 @@ def test_last_continues_the_newest_earlier_run(tmp_path: Path, capsys: pytest.Ca
 
 
 @pytest.mark.timeout(30)
+def test_last_passes_over_an_earlier_run_that_died_before_its_first_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/trainer.md: ``"last"`` of a new run is that of the highest-numbered ``version_N`` *that
+    has one*: a run that crashed before saving (its folder, no ``last``) does not make the next
+    run start from scratch."""
+
+    class Crash(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            raise RuntimeError("crashed before the first checkpoint")
+
+    _trainer(tmp_path, max_epochs=2, log_every_n_steps=1).fit(Regressor(), loader(8))  # version_0: 4 steps
+    with pytest.raises(RuntimeError, match="crashed before the first checkpoint"):
+        _trainer(tmp_path, max_epochs=3, log_every_n_steps=1).fit(Crash(), loader(8), ckpt_path="last")
+    assert (tmp_path / "torchrig_logs" / "version_1").is_dir() and not _last(tmp_path, 1).exists()
+    capsys.readouterr()
+    third = _trainer(tmp_path, max_epochs=3, log_every_n_steps=1)
+    third.fit(Regressor(), loader(8), ckpt_path="last")
+    assert f"torchrig: resumed from {_last(tmp_path, 0)} -> " in capsys.readouterr().out
+    assert third.global_step == 6 and _last(tmp_path, 2).resolve().name.endswith("-step=6")
+
+
+@pytest.mark.timeout(30)
 def test_last_with_no_earlier_run_warns_and_starts_fresh(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, max_epochs=1, log_every_n_steps=1)
     with pytest.warns(UserWarning, match=r"ckpt_path='last': there is no checkpoint at .*version_0.checkpoints.last"):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import torch
 from trainer_helpers import Regressor, loader, params, quiet_trainer
 
 import torchrig
+from conftest import python_env
 from torchrig.preemption import resolve_requeue_signal, resolve_signals, stopped_for_signal
 
 
@@ -89,6 +93,83 @@ def test_sigterm_stops_the_fit_at_that_step_saves_last_and_exits_143(
     assert all(torch.equal(a, b) for a, b in zip(params(resumed_module), params(clean_module), strict=True))
 
 
+# A fit that gets SIGTERM after step 4, and SIGTERM again while it saves that step (in its own
+# process: were the second one not ignored, it would kill the process that got it).
+TERM_TWICE = r"""
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import torchrig
+from trainer_helpers import Regressor, loader, quiet_trainer
+
+class TermTwice(torchrig.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 4 and not trainer.interrupted:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        if trainer.interrupted:
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("sent SIGTERM again during the save", flush=True)
+
+quiet_trainer(Path(sys.argv[1]), max_epochs=3, enable_checkpointing=True, callbacks=[TermTwice()]).fit(
+    Regressor(), loader(40)
+)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_second_sigterm_while_the_stop_is_saved_does_not_cut_the_save_short(tmp_path: Path) -> None:
+    """docs/distributed.md: "A repeated SIGTERM while the run saves is ignored"."""
+    script = tmp_path / "term_twice.py"
+    script.write_text(TERM_TWICE)
+    here = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), here], capture_output=True, text=True, timeout=50, env=python_env()
+    )
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert "sent SIGTERM again during the save" in done.stdout, done.stdout
+    last = (tmp_path / "checkpoints" / "last").resolve()
+    assert last.name == "epoch=0-step=4" and f"saved step 4 as {last}" in done.stdout, done.stdout
+    assert torchrig.checkpoint.read_values(last)["step"] == 4
+    assert done.stderr.count("SIGTERM: stopping at the next optimizer step") == 1  # noted once
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scontrol", ["fails", "missing"])
+def test_a_requeue_that_fails_says_why_and_exits_with_128_plus_the_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], scontrol: str
+) -> None:
+    """docs/distributed.md: "If ``scontrol`` fails, the message says why and the exit status is
+    128 + the signal" (the checkpoint of the signal is saved all the same)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if scontrol == "fails":
+        fake = bin_dir / "scontrol"
+        fake.write_text(
+            "#!/bin/sh\necho 'slurm_requeue error: Requested operation is presently disabled' >&2\nexit 1\n"
+        )
+        fake.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    else:
+        monkeypatch.setenv("PATH", str(bin_dir))  # no scontrol anywhere
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    trainer = quiet_trainer(tmp_path, max_epochs=3, enable_checkpointing=True, callbacks=[SendAt(4, signal.SIGUSR1)])
+    assert trainer.requeue_signal == signal.SIGUSR1  # "auto" under SLURM
+    with pytest.raises(torchrig.Preempted) as info:
+        trainer.fit(Regressor(), loader(40))
+    assert info.value.code == 138 and not info.value.requeued
+    assert (tmp_path / "checkpoints" / "last").resolve().name == "epoch=0-step=4"
+    out, err = capfd.readouterr()
+    why = (
+        "`scontrol requeue 4242` exited with 1: slurm_requeue error: Requested operation is presently disabled"
+        if scontrol == "fails"
+        else "scontrol is not on PATH"
+    )
+    assert f"torchrig: could not requeue the job: {why}" in err, err
+    assert "saved step 4 as" in out and "requeued the job" not in out
+
+
 @pytest.mark.timeout(60)
 def test_signals_not_asked_for_and_handlers_of_the_program_are_left_alone(tmp_path: Path) -> None:
     off = SendAt(2, None)
@@ -130,6 +211,8 @@ def test_a_restarted_job_resumes_from_last_by_itself_unless_switched_off(
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
     assert "restart 1 of this job: no checkpoint at" in capsys.readouterr().out  # the first attempt saved nothing
+    early = tmp_path / "early"
+    shutil.copytree((tmp_path / "checkpoints" / "last").resolve(), early)  # step 4, for the explicit ckpt_path below
     resumed = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True)
     resumed.fit(Regressor(), loader(16))
     out = capsys.readouterr().out
@@ -139,6 +222,11 @@ def test_a_restarted_job_resumes_from_last_by_itself_unless_switched_off(
     fresh = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, auto_resume=False)
     fresh.fit(Regressor(), loader(16))
     assert "resum" not in capsys.readouterr().out and fresh.global_step == 4
+    explicit = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True)
+    explicit.fit(Regressor(), loader(16), ckpt_path=early)  # an explicit ckpt_path always wins
+    out = capsys.readouterr().out
+    assert f"torchrig: resumed from {early}: continues with epoch 2, step 4" in out, out
+    assert "restart 1 of this job" not in out and explicit.global_step == 8
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
     assert "resum" not in capsys.readouterr().out  # a first run never resumes by itself

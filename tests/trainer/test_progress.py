@@ -94,6 +94,17 @@ def test_live_bar_in_a_terminal_shows_progress_speed_and_metrics() -> None:
     assert "\x1b[" in out.getvalue()  # it really drew with terminal control codes
 
 
+def test_an_epoch_without_a_length_shows_steps_and_their_rate_without_a_total() -> None:
+    """docs/data.md: for a stream without a length "the progress bar shows steps and their rate,
+    without a total" (no ``n/inf``, no time left)."""
+    out = io.StringIO()
+    bar = ProgressBar(refresh_interval=0.0, console=Console(file=out, force_terminal=True, width=160))
+    run_fit(bar, fake_trainer(num_training_batches=float("inf")), epochs=1)
+    text = ANSI.sub("", out.getvalue())
+    assert re.search(r"Epoch 1/2 .*\b4 \d+\.\d it/s", text), text
+    assert "inf" not in text and "4/" not in text, text
+
+
 def test_steps_between_refreshes_convert_nothing() -> None:
     out = io.StringIO()
     bar = ProgressBar(refresh_interval=3600, console=Console(file=out, force_terminal=True, width=200))

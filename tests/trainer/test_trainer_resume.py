@@ -211,3 +211,50 @@ def test_the_name_the_resume_message_and_the_progress_bar_say_the_same_epoch(
     assert f"torchrig: resumed from {link} -> epoch=1-step=4: continues in epoch 1/2 after 1 batches, step 4" in said
     lines = [line for line in out.getvalue().splitlines() if line.startswith("Epoch ")]
     assert [line.split(":")[0] for line in lines] == ["Epoch 1/2", "Epoch 2/2"], lines
+
+
+@pytest.mark.timeout(30)
+def test_a_resumed_fit_skips_the_sanity_check(tmp_path: Path) -> None:
+    """docs/trainer.md: "A resumed fit skips the sanity check" (a first fit runs it)."""
+
+    class Sanity(torchrig.Callback):
+        def __init__(self) -> None:
+            self.checks = 0
+
+        def on_sanity_check_start(self, trainer: Any, module: Any) -> None:
+            self.checks += 1
+
+    first, second = Sanity(), Sanity()
+    kw: dict[str, Any] = {"enable_checkpointing": True, "num_sanity_val_steps": 2}
+    quiet_trainer(tmp_path, max_epochs=1, callbacks=[first], **kw).fit(Regressor(), loader(16), loader(8))
+    assert first.checks == 1
+    resumed = quiet_trainer(tmp_path, max_epochs=2, callbacks=[second], **kw)
+    resumed.fit(Regressor(), loader(16), loader(8), ckpt_path="last")
+    assert second.checks == 0 and resumed.global_step == 8
+
+
+@pytest.mark.timeout(30)
+def test_a_fit_stopped_by_max_steps_inside_an_epoch_ends_it_and_its_checkpoint_resumes_the_next(
+    tmp_path: Path,
+) -> None:
+    """docs/trainer.md: a fit that ``max_steps`` stops inside an epoch ends that epoch as Lightning
+    does (its epoch-end hooks run, ``current_epoch`` moves on), so resuming from the checkpoint
+    written at the end of that fit starts the next epoch."""
+    seen: list[Any] = []
+
+    class Watch(torchrig.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seen.append((trainer.current_epoch, batch_idx))
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            seen.append(("epoch end", trainer.current_epoch, trainer.global_step))
+
+    first = quiet_trainer(tmp_path, max_epochs=2, max_steps=3, enable_checkpointing=True, callbacks=[Watch()])
+    first.fit(Regressor(), loader(32))  # 8 batches an epoch
+    assert seen == [(0, 0), (0, 1), (0, 2), ("epoch end", 0, 3)]
+    assert (first.current_epoch, first.global_step) == (1, 3)
+    assert (tmp_path / "checkpoints" / "last").resolve().name == "epoch=0-step=3"
+    seen.clear()
+    resumed = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True, callbacks=[Watch()])
+    resumed.fit(Regressor(), loader(32), ckpt_path="last")
+    assert seen[0] == (1, 0) and (resumed.current_epoch, resumed.global_step) == (2, 11)

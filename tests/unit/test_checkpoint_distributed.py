@@ -9,6 +9,7 @@ RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,19 @@ def flat(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.
     return out
 
 
+def next_draws() -> torch.Tensor:
+    """What this process's RNGs give next (torch's and Python's), as a tensor to compare."""
+    return torch.cat([torch.rand(3, dtype=torch.float64), torch.tensor([random.random()], dtype=torch.float64)])
+
+
+def save_draws(path: Path) -> None:
+    safetensors.torch.save_file({"draws": next_draws()}, str(path))
+
+
+def saved_draws(path: Path) -> torch.Tensor:
+    return safetensors.torch.load_file(str(path))["draws"]
+
+
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -68,7 +82,10 @@ def ddp_save(folder: Path) -> None:
     model, optimizer = build(rig)
     for _ in range(2):
         step(rig, model, optimizer)
+    torch.manual_seed(1000 + rig.global_rank)  # each rank's RNGs at their own state
+    random.seed(1000 + rig.global_rank)
     rig.save(folder / "ddp", {"model": model, "optimizer": optimizer, "step": 2})
+    save_draws(folder / f"ddp-draws-{rig.global_rank}.safetensors")  # what each rank draws next
     if rig.is_global_zero:
         safetensors.torch.save_file(flat(model, optimizer), str(folder / "ddp-ref.safetensors"))
 
@@ -76,8 +93,11 @@ def ddp_save(folder: Path) -> None:
 def ddp_load_then_fsdp(folder: Path) -> None:
     rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp")
     model, optimizer = build(rig)
+    rig.load(folder / "ddp", {"model": model, "optimizer": optimizer})  # as many processes: each its own RNGs
+    assert torch.equal(next_draws(), saved_draws(folder / f"ddp-draws-{rig.global_rank}.safetensors"))
     left = rig.load(folder / "single", {"model": model, "optimizer": optimizer})
     assert left == {"step": 3}, left
+    assert torch.equal(next_draws(), saved_draws(folder / "single-draws.safetensors"))  # 1 process's, on each
     assert_same(flat(model, optimizer), safetensors.torch.load_file(str(folder / "single-ref.safetensors")))
     (folder / f"ok-ddp-{rig.global_rank}").touch()
 
@@ -133,9 +153,15 @@ def test_ddp_two_to_one_and_back_and_fsdp_sharded(tmp_path: Path) -> None:
     rig = torchrig.Rig(accelerator="cpu")
     model, optimizer = build(rig)
     assert rig.load(tmp_path / "ddp", {"model": model, "optimizer": optimizer}) == {"step": 2}
+    # saved by 2 processes, loaded by 1: rank 0's RNG states (each rank's is stored, see below)
+    assert torch.equal(next_draws(), saved_draws(tmp_path / "ddp-draws-0.safetensors"))
+    assert not torch.equal(
+        saved_draws(tmp_path / "ddp-draws-0.safetensors"), saved_draws(tmp_path / "ddp-draws-1.safetensors")
+    )
     assert_same(flat(model, optimizer), safetensors.torch.load_file(str(tmp_path / "ddp-ref.safetensors")))
     step(rig, model, optimizer)
     rig.save(tmp_path / "single", {"model": model, "optimizer": optimizer, "step": 3})
+    save_draws(tmp_path / "single-draws.safetensors")
     safetensors.torch.save_file(flat(model, optimizer), str(tmp_path / "single-ref.safetensors"))
 
     launch("ddp-load-fsdp", tmp_path)

@@ -154,3 +154,71 @@ def test_a_stream_position_saved_by_another_number_of_processes_is_refused() -> 
         "stream; this run has 1. Resume it with 2 processes: a position in one share of a stream does not say "
         "where another number of shares would be"
     )
+
+
+class _Seeds(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Sample ``i`` is ``(i, the seed of the process that made it)``: a worker's is its epoch's base seed + id."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, torch.initial_seed()
+
+
+def _seeded_loader() -> RigDataLoader:
+    """Workers whose base seed the loader's own ``generator=`` draws (torch's global RNG is not used)."""
+    loader = DataLoader(_Seeds(), batch_size=2, num_workers=1, generator=torch.Generator().manual_seed(5))
+    return _prepared(loader)
+
+
+def _pairs(batches: Any) -> list[list[tuple[int, int]]]:
+    return [list(zip(i.tolist(), s.tolist(), strict=True)) for i, s in batches]
+
+
+def test_the_loaders_own_generator_is_saved_and_restored_with_the_epoch(tmp_path: Any) -> None:
+    """docs/data.md: "The loader's own ``generator=`` is saved and restored with the epoch", so the
+    resumed epoch's workers get its base seed again (in a fresh process the generator starts over,
+    which would give epoch 1 the seed of epoch 0)."""
+    loader = _seeded_loader()
+    epoch_0 = _pairs(loader)
+    it = iter(loader)  # epoch 1
+    next(it), next(it)
+    rig = torchrig.Rig(accelerator="cpu", devices=1)
+    rig.save(tmp_path / "ck", {"data": loader})
+    rest, epoch_2 = _pairs(it), _pairs(loader)
+    assert {s for b in rest for _, s in b} != {s for b in epoch_0 for _, s in b}  # a new base seed each epoch
+
+    resumed = _seeded_loader()  # as a new process builds it: its generator at manual_seed(5) again
+    rig.load(tmp_path / "ck", {"data": resumed})
+    assert _pairs(resumed) == rest
+    assert _pairs(resumed) == epoch_2  # and the generator goes on as in the run never stopped
+
+
+@pytest.mark.parametrize("kind", ["weighted", "random"])
+def test_a_samplers_own_generator_is_not_in_the_checkpoint(kind: str) -> None:
+    """docs/data.md, "Not exact": a sampler given its own ``torch.Generator`` draws the resumed
+    epoch from whatever state that generator has in the new process (the checkpoint does not
+    hold it). A ``RandomSampler`` is the exception: ``prepare`` replaces it (its generator too) by
+    a ``ResumableSampler``, as for ``shuffle=True``, so it resumes exactly."""
+
+    def make() -> RigDataLoader:
+        g = torch.Generator().manual_seed(1)
+        if kind == "weighted":
+            sampler: Any = torch.utils.data.WeightedRandomSampler(torch.ones(40), 40, generator=g)
+        else:
+            sampler = torch.utils.data.RandomSampler(DATA, generator=g)
+        return _prepared(DataLoader(DATA, batch_size=8, sampler=sampler))
+
+    loader = make()
+    assert isinstance(loader.sampler, ResumableSampler) is (kind == "random")
+    list(loader)  # epoch 0 moved the sampler's generator on
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    rest = _ids(list(it))
+    resumed = make()  # a new process: the generator at manual_seed(1) again
+    resumed.load_state_dict(state)
+    again = _ids(list(resumed))
+    assert len(again) == len(rest) == 3
+    assert (again == rest) is (kind == "random")  # weighted: epoch 0's order again, not epoch 1's

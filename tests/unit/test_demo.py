@@ -96,6 +96,16 @@ def test_model_shapes_and_schedule() -> None:
     assert cosine_factor(15, 10) == pytest.approx(0.0, abs=1e-12)  # past the end it stays at the floor
 
 
+def test_a_checkpoint_counts_the_demo_models_parameters_and_buffers_apart(tmp_path: Path) -> None:
+    """docs/checkpoints.md and docs/demo.md: the demo's model has 14,538 parameters and 163 buffer
+    values (BatchNorm's running statistics and batch counters), which meta.json counts apart."""
+    model = DigitsCNN()
+    assert sum(p.numel() for p in model.parameters()) == 14_538
+    path = torchrig.Rig(accelerator="cpu").save(tmp_path / "ck", {"model": model}, link=None)
+    info = torchrig.checkpoint.describe(path)
+    assert (info["parameters"], info["buffers"]) == (14_538, 163)
+
+
 def test_devices_option_parses_counts_and_lists() -> None:
     assert _devices("2") == 2 and _devices("-1") == -1
     assert _devices("0,1") == "0,1" and _devices("auto") == "auto"

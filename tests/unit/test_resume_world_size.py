@@ -144,3 +144,20 @@ def test_a_loader_that_was_not_rebuilt_resumes_by_batches() -> None:
     state = _two_process_state(1)  # a new-format state: its sample position cannot be used here
     loader.load_state_dict(state)
     assert _ids(loader) == [list(range(i, i + 8)) for i in range(8, 40, 8)]
+
+
+def test_a_loaded_position_is_saved_again_as_given_until_the_next_epoch_starts() -> None:
+    """docs/data.md: "A loader's ``state_dict()`` between ``load_state_dict(state)`` and its next
+    ``iter()`` is ``state`` as given", so a position handed on to another loader (the
+    BatchSizeFinder's loader of a new size, on resume) is not rounded to its batches."""
+    state = _two_process_state(3)  # 24 samples: inside this loader's second batch of 10
+    handed_on = _loader(10)
+    handed_on.load_state_dict(state)
+    assert handed_on.state_dict() == state  # not 20 samples (2 of its batches), nor 24 rounded up
+    onward = _loader(4, num_replicas=2)  # ... so the next loader resumes where the checkpoint was
+    onward.load_state_dict(handed_on.state_dict())
+    order = _global_order(1)
+    assert list(chain(*_ids(onward))) == order[24:40:2]  # rank 0's share of the samples after 24
+    with pytest.warns(UserWarning, match="4 samples will be seen again"):
+        list(handed_on)  # an epoch started: from now on its own position
+    assert handed_on.state_dict()["samples_seen"] == 40

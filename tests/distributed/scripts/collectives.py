@@ -68,6 +68,12 @@ def check(rig: torchrig.Rig) -> str:
     padded = rig.prepare(DataLoader(list(range(7)), batch_size=3))
     assert torch.cat([rig.gather_for_metrics(b) for b in padded]).tolist() == list(range(7))
     assert torch.cat([rig.gather_for_metrics(b) for b in even]).tolist() == list(range(100, 110))
+    # The shuffle seed is rank 0's (docs/distributed.md "Data"): ranks whose torch RNGs differ
+    # still take their shares of one global order, so together they see every sample once.
+    torch.manual_seed(1000 + rank)
+    shuffled = rig.prepare(DataLoader(list(range(16)), batch_size=2, shuffle=True))
+    order = torch.cat([rig.gather_for_metrics(b) for b in shuffled]).tolist()
+    assert sorted(order) == list(range(16)) and order != list(range(16)), order
     # a result far larger than a pipe buffer (and holding a tensor) must come back whole
     return f"ok world={world}", torch.arange(1_000_000)
 
