@@ -101,7 +101,7 @@ def test_an_epoch_without_a_length_shows_steps_and_their_rate_without_a_total() 
     bar = ProgressBar(refresh_interval=0.0, console=Console(file=out, force_terminal=True, width=160))
     run_fit(bar, fake_trainer(num_training_batches=float("inf")), epochs=1)
     text = ANSI.sub("", out.getvalue())
-    assert re.search(r"Epoch 1/2 .*\b4 \d+\.\d it/s", text), text
+    assert re.search(r"Epoch 0/1 .*\b4 \d+\.\d it/s", text), text
     assert "inf" not in text and "4/" not in text, text
 
 
