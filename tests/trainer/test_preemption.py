@@ -225,7 +225,7 @@ def test_a_restarted_job_resumes_from_last_by_itself_unless_switched_off(
     explicit = quiet_trainer(tmp_path, max_epochs=2, enable_checkpointing=True)
     explicit.fit(Regressor(), loader(16), ckpt_path=early)  # an explicit ckpt_path always wins
     out = capsys.readouterr().out
-    assert f"torchrig: resumed from {early}: continues with epoch 2, step 4" in out, out
+    assert f"torchrig: resumed from {early}: continues with epoch 1/1, step 4" in out, out
     assert "restart 1 of this job" not in out and explicit.global_step == 8
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True).fit(Regressor(), loader(16))
