@@ -67,3 +67,22 @@ def test_the_standalone_blocks_run_as_written(
     found = [c for c in blocks(_section(ROOT / "docs" / page, heading), "python") if c.startswith(first + "\n")]
     assert len(found) == 1, f"docs/{page} {heading}: no single python block starting {first!r}"
     run_example(found[0], f"docs/{page} {heading}", tmp_path, capsys)
+
+
+@pytest.mark.timeout(60)
+def test_the_import_example_of_the_checkpoint_guide_prints_what_it_shows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/checkpoints.md's `torchrig checkpoint import` session, run on the Lightning 2.6.6
+    checkpoint in tests/data/peers (the guide's home directory is this test's)."""
+    import shutil
+
+    from torchrig.cli import main
+
+    text = _section(ROOT / "docs" / "checkpoints.md", "## Importing a Lightning or Accelerate checkpoint")
+    command, *shown = blocks(text, "")[0].splitlines()
+    assert command == "$ torchrig checkpoint import lightning.ckpt ckpt/imported"
+    shutil.copy(ROOT / "tests" / "data" / "peers" / "lightning.ckpt", tmp_path / "lightning.ckpt")
+    monkeypatch.chdir(tmp_path)
+    assert main(command.split()[2:]) == 0
+    assert capsys.readouterr().out.replace(str(tmp_path), "/home/me").splitlines() == shown
