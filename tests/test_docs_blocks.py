@@ -86,3 +86,18 @@ def test_the_import_example_of_the_checkpoint_guide_prints_what_it_shows(
     monkeypatch.chdir(tmp_path)
     assert main(command.split()[2:]) == 0
     assert capsys.readouterr().out.replace(str(tmp_path), "/home/me").splitlines() == shown
+
+
+def test_the_mismatch_message_of_the_checkpoint_guide_is_the_one_raised(tmp_path: Path) -> None:
+    from torch import nn
+
+    import torchrig
+
+    text = _section(ROOT / "docs" / "checkpoints.md", "## Guarantees")
+    shown = next(b for b in blocks(text, "") if b.startswith("checkpoint entry 'model' does not match"))
+    rig = torchrig.Rig(accelerator="cpu")
+    rig.save(tmp_path / "ck", {"model": nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))})
+    other = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2))
+    with pytest.raises(torchrig.CheckpointError) as refused:
+        rig.load(tmp_path / "ck", {"model": other})
+    assert str(refused.value) + "\n" == shown
