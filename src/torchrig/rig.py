@@ -26,7 +26,7 @@ from torchrig.checkpoint.background import BackgroundSaves, SaveHandle
 from torchrig.data import RigDataLoader, loader_kwargs, rebuild_iterable, rebuild_with_sampler
 from torchrig.fp8 import FP8Mixed
 from torchrig.nested import apply_to_tensors, move_to_device
-from torchrig.precision import Precision
+from torchrig.precision import Precision, check_optimizer_eps
 from torchrig.preemption import SignalsLike, SignalWatch, resolve_signals
 from torchrig.resolve import Plan, resolve
 from torchrig.strategies import Strategy
@@ -259,6 +259,7 @@ class Rig:
                 "rig.init_module(empty_init=True)) whose module was not prepared with it; prepare "
                 "them together, rig.prepare(model, optimizer), or create the optimizer after prepare"
             )
+        check_optimizer_eps(optimizer, self.precision.name)
         optimizer = self.strategy.setup_optimizer(optimizer)
         for state in optimizer.state.values():  # state created before prepare follows the params
             for k, v in state.items():

@@ -366,3 +366,17 @@ def test_a_root_dir_that_is_a_file_is_one_line_and_exit_2(
         "folder, or a path that does not exist yet (--root-dir: where the runs are written)\n"
     )
     assert blocking.read_text() == "the user's"
+
+
+@pytest.mark.timeout(60)
+def test_demo_in_16_true_says_why_instead_of_training_to_nan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It trained to a NaN loss and 10% test accuracy (AdamW's eps is 0 in float16)."""
+    argv = ["demo", "--precision", "16-true", "--max-epochs", "1", "--accelerator", "cpu", "--root-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchrig demo: AdamW(eps=1e-08) adds eps to parameters kept in torch.float16") and (
+        err.endswith("or use a precision that keeps float32 parameters ('16-mixed', 'bf16-mixed')\n")
+    ), err
+    assert list((tmp_path / "digits").iterdir()) == []  # no empty version_0
