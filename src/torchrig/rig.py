@@ -220,7 +220,8 @@ class Rig:
 
     def _check_preparable(self, obj: Any) -> None:
         prepared = isinstance(obj, (RigOptimizer, RigDataLoader)) or as_prepared(obj) is not None
-        if prepared or self._prepared.get(id(obj)) is obj:
+        known = self._prepared.get(id(obj))  # None when unknown: a None given is not "already prepared"
+        if prepared or (known is not None and known is obj):
             raise ValueError(
                 f"{type(obj).__name__} was already prepared by this Rig; prepare each object once "
                 "and use what prepare() returned"
@@ -317,6 +318,8 @@ class Rig:
     # -- the step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` through the precision (scaled under 16-mixed)."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"rig.backward(loss) takes the loss tensor; got {type(loss).__name__}")
         self.plan.precision.backward(loss, **kwargs)
 
     def forward_backward(

@@ -338,3 +338,12 @@ def test_more_processes_without_a_script_file_say_what_to_do_instead(monkeypatch
         torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp")
     assert "'ddp_notebook' (fork) or 'ddp_spawn' with rig.launch(fn)" in str(e.value)
     assert "`torchrig run --devices N script.py`" in str(e.value)
+
+
+def test_prepare_of_none_and_backward_of_a_non_tensor_say_what_they_got() -> None:
+    """prepare(None) said 'NoneType was already prepared by this Rig'; backward(5) raised an AttributeError."""
+    rig = torchrig.Rig(accelerator="cpu")
+    with pytest.raises(TypeError, match=r"^prepare\(\) got a builtins.NoneType; it takes nn.Module, "):
+        rig.prepare(None)
+    with pytest.raises(TypeError, match=r"^rig.backward\(loss\) takes the loss tensor; got float$"):
+        rig.backward(0.5)
