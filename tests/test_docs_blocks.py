@@ -49,6 +49,7 @@ def _section(page: Path, heading: str) -> str:
 # (page, heading, first line): the one-process blocks that stand alone and no other test runs.
 STANDALONE = [
     ("rig.md", "## Quickstart", "import torch, torch.nn.functional as F, torchrig"),
+    ("trainer.md", "## Callbacks", "from torchrig.trainer import Callback, EventSchedule"),
     ("distributed.md", "## Strategies", "from datetime import timedelta"),
     ("trainer_tools.md", "## Loggers", "import torchrig"),
     (
