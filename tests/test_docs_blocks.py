@@ -49,6 +49,7 @@ def _section(page: Path, heading: str) -> str:
 # (page, heading, first line): the one-process blocks that stand alone and no other test runs.
 STANDALONE = [
     ("rig.md", "## Quickstart", "import torch, torch.nn.functional as F, torchrig"),
+    ("trainer.md", "## Callbacks", "from torchrig.trainer import Callback, EventSchedule"),
     ("distributed.md", "## Strategies", "from datetime import timedelta"),
     ("trainer_tools.md", "## Loggers", "import torchrig"),
     (
@@ -67,3 +68,37 @@ def test_the_standalone_blocks_run_as_written(
     found = [c for c in blocks(_section(ROOT / "docs" / page, heading), "python") if c.startswith(first + "\n")]
     assert len(found) == 1, f"docs/{page} {heading}: no single python block starting {first!r}"
     run_example(found[0], f"docs/{page} {heading}", tmp_path, capsys)
+
+
+@pytest.mark.timeout(60)
+def test_the_import_example_of_the_checkpoint_guide_prints_what_it_shows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/checkpoints.md's `torchrig checkpoint import` session, run on the Lightning 2.6.6
+    checkpoint in tests/data/peers (the guide's home directory is this test's)."""
+    import shutil
+
+    from torchrig.cli import main
+
+    text = _section(ROOT / "docs" / "checkpoints.md", "## Importing a Lightning or Accelerate checkpoint")
+    command, *shown = blocks(text, "")[0].splitlines()
+    assert command == "$ torchrig checkpoint import lightning.ckpt ckpt/imported"
+    shutil.copy(ROOT / "tests" / "data" / "peers" / "lightning.ckpt", tmp_path / "lightning.ckpt")
+    monkeypatch.chdir(tmp_path)
+    assert main(command.split()[2:]) == 0
+    assert capsys.readouterr().out.replace(str(tmp_path), "/home/me").splitlines() == shown
+
+
+def test_the_mismatch_message_of_the_checkpoint_guide_is_the_one_raised(tmp_path: Path) -> None:
+    from torch import nn
+
+    import torchrig
+
+    text = _section(ROOT / "docs" / "checkpoints.md", "## Guarantees")
+    shown = next(b for b in blocks(text, "") if b.startswith("checkpoint entry 'model' does not match"))
+    rig = torchrig.Rig(accelerator="cpu")
+    rig.save(tmp_path / "ck", {"model": nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))})
+    other = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2))
+    with pytest.raises(torchrig.CheckpointError) as refused:
+        rig.load(tmp_path / "ck", {"model": other})
+    assert str(refused.value) + "\n" == shown

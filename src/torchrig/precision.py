@@ -236,6 +236,24 @@ def _scaler_options(name: str, options: Mapping[str, Any] | None) -> dict[str, A
     return dict(options)
 
 
+def check_optimizer_eps(optimizer: torch.optim.Optimizer, precision: str) -> None:
+    """Refuse an optimizer whose ``eps`` is 0 in the dtype its parameters are kept in (AdamW's
+    default 1e-8 in float16, under ``16-true``): ``m / (sqrt(v) + 0)`` makes every parameter whose
+    gradient is 0 NaN, and one whose gradient is tiny infinite, at its first step."""
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        if not isinstance(eps, float) or eps <= 0:
+            continue
+        for dtype in {p.dtype for p in group["params"] if p.is_floating_point()}:
+            if torch.tensor(eps, dtype=dtype).item() == 0:
+                raise ValueError(
+                    f"{type(optimizer).__name__}(eps={eps}) adds eps to parameters kept in {dtype} "
+                    f"(precision={precision!r}), where {eps} is 0: a parameter whose gradient is 0 would become "
+                    f"NaN at its first step; pass eps={torch.finfo(dtype).tiny:.1e} or more, or use a precision "
+                    "that keeps float32 parameters ('16-mixed', 'bf16-mixed')"
+                )
+
+
 def auto_precision(device_type: str) -> str:
     """``precision="auto"``: bf16-mixed where the device has native bf16, else 32-true.
 
@@ -267,9 +285,7 @@ class Precision:
         torch.bfloat16
     """
 
-    def __init__(
-        self, *, name: str | FP8Mixed, device_type: str, grad_scaler: Mapping[str, Any] | None = None
-    ) -> None:
+    def __init__(self, *, name: str | FP8Mixed, device_type: str, grad_scaler: Mapping[str, Any] | None = None) -> None:
         self.name = normalize_precision(name)
         self.device_type = device_type
         if self.name == "auto":

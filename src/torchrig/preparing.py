@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from torchrig import speedups
 from torchrig.data import RigDataLoader, loader_kwargs, rebuild_iterable, rebuild_with_sampler
+from torchrig.precision import check_optimizer_eps
 from torchrig.strategies import Strategy
 from torchrig.strategies.base import reset_parameters
 from torchrig.strategies.launch import launch_first
@@ -88,7 +89,8 @@ class Preparing:
 
     def _check_preparable(self, obj: Any) -> None:
         prepared = isinstance(obj, (RigOptimizer, RigDataLoader)) or as_prepared(obj) is not None
-        if prepared or self._prepared.get(id(obj)) is obj:
+        known = self._prepared.get(id(obj))  # None when unknown: a None given is not "already prepared"
+        if prepared or (known is not None and known is obj):
             raise ValueError(
                 f"{type(obj).__name__} was already prepared by this Rig; prepare each object once "
                 "and use what prepare() returned"
@@ -127,6 +129,7 @@ class Preparing:
                 "rig.init_module(empty_init=True)) whose module was not prepared with it; prepare "
                 "them together, rig.prepare(model, optimizer), or create the optimizer after prepare"
             )
+        check_optimizer_eps(optimizer, self.precision.name)
         optimizer = self.strategy.setup_optimizer(optimizer)
         for state in optimizer.state.values():  # state created before prepare follows the params
             for k, v in state.items():

@@ -18,6 +18,7 @@ from torchrig.arguments import int_in_range
 from torchrig.fp8 import FP8_PRECISION, FP8Mixed
 from torchrig.precision import NAMES, Precision, normalize_precision
 from torchrig.strategies import STRATEGY_REGISTRY, Strategy
+from torchrig.strategies.single import SingleDeviceStrategy
 
 #: Environment variables that ``torchrig run`` sets and ``Rig()``/``Trainer()`` read as defaults.
 ENV_DEFAULTS = {
@@ -136,18 +137,20 @@ def resolve_devices(acc: Accelerator, devices: Any) -> list[torch.device]:
 def resolve_strategy(strategy: Any, devices: list[torch.device], num_nodes: int) -> Strategy:
     """A :class:`Strategy` from a name or an instance, checked against the devices."""
     if isinstance(strategy, Strategy):
-        return strategy
-    if not isinstance(strategy, str):
+        chosen, given = strategy, repr(strategy)
+    elif isinstance(strategy, str):
+        name = strategy.strip().lower()
+        if name == "auto":
+            name = "single" if len(devices) == 1 and num_nodes == 1 and _launched_world_size() == 1 else "ddp"
+        chosen, given = STRATEGY_REGISTRY.get(name), repr(name)
+    else:
         raise TypeError(f"strategy={strategy!r} must be a name ({', '.join(STRATEGY_REGISTRY.names())}) or a Strategy")
-    name = strategy.strip().lower()
-    if name == "auto":
-        name = "single" if len(devices) == 1 and num_nodes == 1 and _launched_world_size() == 1 else "ddp"
-    if name == "single" and (len(devices) > 1 or num_nodes > 1):
+    if isinstance(chosen, SingleDeviceStrategy) and (len(devices) > 1 or num_nodes > 1):
         raise ValueError(
-            f"strategy='single' runs one process on one device, but {len(devices)} device(s) on "
+            f"strategy={given} runs one process on one device, but {len(devices)} device(s) on "
             f"{num_nodes} node(s) were asked for; use strategy='ddp' (or 'fsdp'), or devices=1"
         )
-    return STRATEGY_REGISTRY.get(name)
+    return chosen
 
 
 def resolve_precision(precision: Any, device_type: str) -> Precision:

@@ -180,6 +180,8 @@ class Rig(Preparing, SaveLoad):
     # -- the step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` through the precision (scaled under 16-mixed)."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"rig.backward(loss) takes the loss tensor; got {type(loss).__name__}")
         self.plan.precision.backward(loss, **kwargs)
 
     def forward_backward(

@@ -76,8 +76,9 @@ def test_an_error_before_the_fit_started_saves_nothing(tmp_path: Path) -> None:
 
 
 def test_a_failing_save_does_not_hide_the_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "ckpt").write_text("a file where the folder should be")
     trainer = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[checkpoint(tmp_path)])
+    # Put there after the ModelCheckpoint was made (given at first, dirpath= is refused at once).
+    (tmp_path / "ckpt").write_text("a file where the folder should be")
     with pytest.raises(ValueError, match=r"^bad batch$"):
         trainer.fit(FailsAtStep(2, ValueError("bad batch")), loader(32, batch_size=4))
     assert "torchrig: rank 0: save_on_exception could not save: " in capsys.readouterr().err

@@ -229,8 +229,17 @@ def test_bad_inputs_to_fit_say_what_to_do(tmp_path: Path) -> None:
         trainer.fit(torch.nn.Linear(1, 1), loader(8))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"fit\(\) needs training data: pass train_dataloaders="):
         trainer.fit(Regressor())
-    with pytest.raises(TypeError, match=r"train_dataloaders must be a torch\.utils\.data\.DataLoader"):
-        trainer.fit(Regressor(), [(torch.ones(1, 4), torch.ones(1, 1))])
+    for data, got in (
+        ([(torch.ones(1, 4), torch.ones(1, 1))], "a list holding tuple"),
+        ([loader(8)] * 2, "a list holding DataLoader"),
+    ):
+        # It said "must be a DataLoader (or a list of them); got list": a list is not taken here
+        with pytest.raises(TypeError) as refused:
+            trainer.fit(Regressor(), data)
+        assert str(refused.value) == (
+            f"train_dataloaders must be one torch.utils.data.DataLoader; got {got} (a fit trains on one loader: join "
+            "datasets with torch.utils.data.ConcatDataset)"
+        )
     with pytest.raises(ValueError, match=r"val_check_interval=50 batches, but an epoch has only 2 training batches"):
         quiet_trainer(tmp_path, val_check_interval=50).fit(Regressor(), loader(8), loader(4))
 

@@ -638,3 +638,31 @@ def test_a_path_of_the_wrong_type_is_named(rig: torchrig.Rig, path: Any, tmp_pat
                 data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 4)))
                 trainer.fit(_Tiny(), data, ckpt_path=path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_below_a_file_or_at_dotdot_names_what_is_there(rig: torchrig.Rig, tmp_path: Path) -> None:
+    """'afile/ck' raised a bare NotADirectoryError; 'work/..' said it was the root of the file system."""
+    import contextlib
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "afile").write_text("the user's")
+    (work / "notes.txt").write_text("the user's")
+    before = {p: p.read_bytes() for p in work.rglob("*")}
+    model = rig.prepare(nn.Linear(2, 2))
+    with contextlib.chdir(work):
+        for path in ("afile/ck", "afile/deeper/ck"):
+            with pytest.raises(CheckpointError) as refused:
+                rig.save(path, {"model": model})
+            assert str(refused.value) == (
+                f"cannot save a checkpoint at {work / path}: {work / 'afile'} is a regular file, not a directory; "
+                "give a path inside a directory"
+            )
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^cannot save a checkpoint at {re.escape(str(work))}/\.\.: it is the "
+            rf"directory {re.escape(str(tmp_path))}; only a missing path or a torchrig checkpoint",
+        ):
+            rig.save("..", {"model": model})
+    assert {p: p.read_bytes() for p in work.rglob("*")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]

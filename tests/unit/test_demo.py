@@ -187,6 +187,38 @@ def test_plot_command_takes_the_metrics_csv_itself(tmp_path: Path, capsys: pytes
     assert "torchrig plot: no metrics.csv in" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(30)
+def test_plot_writes_where_it_says_it_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """-o NAME without a suffix wrote NAME.png and printed 'wrote NAME'; -o FOLDER did the same."""
+    write_metrics(tmp_path / "run")
+    folder = tmp_path / "plots ü"
+    folder.mkdir()
+    for output, written in ((folder, folder / PNG_NAME), (tmp_path / "curves", tmp_path / "curves")):
+        assert cli.main(["plot", str(tmp_path / "run"), "-o", str(output)]) == 0
+        assert capsys.readouterr().out == f"wrote {written}\n"
+        assert png_size(written) == (1000, 400)
+    assert not (tmp_path / "curves.png").exists() and not (tmp_path / "plots ü.png").exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        (bytes(range(128, 256)), "'utf-8' codec can't decode byte 0x80 in position 0"),
+        (b"step,epoch,train_loss\n1,0,abc\n", "could not convert string to float: 'abc'"),
+    ],
+    ids=["not-text", "not-a-number"],
+)
+def test_plot_of_a_file_that_is_no_metrics_csv_names_it(
+    content: bytes, error: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "metrics.csv").write_bytes(content)
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    expected = f"torchrig plot: {tmp_path / 'metrics.csv'} is not a metrics.csv that a CSVLogger wrote: {error}"
+    assert capsys.readouterr().err.startswith(expected)
+    assert not (tmp_path / PNG_NAME).exists()
+
+
 def test_torchrig_cli_is_reachable_as_the_readme_writes_it() -> None:
     code = "import torchrig; from torchrig.trainer.cli import CLI; assert torchrig.cli.CLI is CLI; print('ok')"
     done = subprocess.run([PYTHON, "-c", code], env=python_env(), capture_output=True, text=True, timeout=60)
@@ -344,3 +376,17 @@ def test_a_root_dir_that_is_a_file_is_one_line_and_exit_2(
         "folder, or a path that does not exist yet (--root-dir: where the runs are written)\n"
     )
     assert blocking.read_text() == "the user's"
+
+
+@pytest.mark.timeout(60)
+def test_demo_in_16_true_says_why_instead_of_training_to_nan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It trained to a NaN loss and 10% test accuracy (AdamW's eps is 0 in float16)."""
+    argv = ["demo", "--precision", "16-true", "--max-epochs", "1", "--accelerator", "cpu", "--root-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchrig demo: AdamW(eps=1e-08) adds eps to parameters kept in torch.float16") and (
+        err.endswith("or use a precision that keeps float32 parameters ('16-mixed', 'bf16-mixed')\n")
+    ), err
+    assert list((tmp_path / "digits").iterdir()) == []  # no empty version_0

@@ -183,3 +183,49 @@ def test_16_mixed_rejects_a_closure() -> None:
     model, optimizer = rig.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="cannot step with a closure"):
         optimizer.step(lambda: model(torch.ones(1, 2)).sum())
+
+
+_EPS_ZERO = (
+    r"^AdamW\(eps=1e-08\) adds eps to parameters kept in torch.float16 \(precision='16-true'\), where 1e-08 is 0: a "
+    r"parameter whose gradient is 0 would become NaN at its first step; pass eps=6.1e-05 or more, or use a precision "
+    r"that keeps float32 parameters \('16-mixed', 'bf16-mixed'\)$"
+)
+
+
+def test_an_eps_that_is_zero_in_the_parameter_dtype_is_refused_at_prepare() -> None:
+    """16-true with AdamW's default eps trained to NaN without a word (torchrig demo --precision 16-true: 10%)."""
+    for order in ("model first", "optimizer first"):
+        rig = torchrig.Rig(accelerator="cpu", precision="16-true")
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with pytest.raises(ValueError, match=_EPS_ZERO):
+            rig.prepare(model, optimizer) if order == "model first" else rig.prepare(optimizer, model)
+    rig = torchrig.Rig(accelerator="cpu", precision="16-true")
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = rig.prepare(model, torch.optim.AdamW(model.parameters(), eps=1e-4))
+    model.weight.grad = torch.zeros_like(model.weight)  # the case eps=1e-8 turned into NaN
+    model.bias.grad = torch.ones_like(model.bias)
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for name in ("bf16-true", "16-mixed"):  # 1e-8 is not 0 in bfloat16; 16-mixed keeps float32 parameters
+        rig = torchrig.Rig(accelerator="cpu", precision=name)
+        model = torch.nn.Linear(4, 2)
+        rig.prepare(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_the_trainer_refuses_it_before_the_first_step(tmp_path: object) -> None:
+    class Module(torchrig.TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+            raise AssertionError("refused before the first step")
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters())
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 4)), batch_size=2)
+    trainer = torchrig.Trainer(accelerator="cpu", precision="16-true", logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=_EPS_ZERO):
+        trainer.fit(Module(), data)

@@ -338,3 +338,33 @@ def test_more_processes_without_a_script_file_say_what_to_do_instead(monkeypatch
         torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp")
     assert "'ddp_notebook' (fork) or 'ddp_spawn' with rig.launch(fn)" in str(e.value)
     assert "`torchrig run --devices N script.py`" in str(e.value)
+
+
+def test_prepare_of_none_and_backward_of_a_non_tensor_say_what_they_got() -> None:
+    """prepare(None) said 'NoneType was already prepared by this Rig'; backward(5) raised an AttributeError."""
+    rig = torchrig.Rig(accelerator="cpu")
+    with pytest.raises(TypeError, match=r"^prepare\(\) got a builtins.NoneType; it takes nn.Module, "):
+        rig.prepare(None)
+    with pytest.raises(TypeError, match=r"^rig.backward\(loss\) takes the loss tensor; got float$"):
+        rig.backward(0.5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["-c", "-"], ids=["python -c", "python - (stdin)"])
+def test_ddp_without_a_script_file_says_so_before_starting_a_rank(how: str) -> None:
+    """From stdin it ran `python /cwd/-` as rank 1, which failed with "can't open file '-'"."""
+    import subprocess
+
+    from conftest import python_env
+
+    code = (
+        "import torch, torchrig\nrig = torchrig.Rig(accelerator='cpu', devices=2)\nrig.prepare(torch.nn.Linear(2, 2))\n"
+    )
+    argv, stdin = ([sys.executable, "-c", code], None) if how == "-c" else ([sys.executable, "-"], code)
+    done = subprocess.run(argv, input=stdin, env=python_env(), capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1
+    assert (
+        "this process was not started from a script file (an interactive session, a notebook, python -c, or a "
+        "script read from stdin, python -)" in done.stderr
+    ), done.stderr
+    assert "rank 1" not in done.stderr and "can't open file" not in done.stderr, done.stderr

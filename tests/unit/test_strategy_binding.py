@@ -114,3 +114,16 @@ def test_device_module_is_the_module_torch_has_or_none() -> None:
     assert device_module("cuda") is torch.cuda
     assert device_module("meta") is None  # a device type without a module
     assert device_module("no_such_device") is None  # a name torch does not know
+
+
+@pytest.mark.parametrize("strategy", ["single", SingleDeviceStrategy], ids=["name", "instance"])
+@pytest.mark.parametrize("make", [Rig, torchrig.Trainer], ids=["Rig", "Trainer"])
+def test_single_with_several_devices_is_refused_by_name_and_as_an_instance(strategy: Any, make: Any) -> None:
+    """The instance ran one process as world size 1, silently dropping the second device."""
+    given = "'single'" if isinstance(strategy, str) else r"SingleDeviceStrategy\(\)"
+    with pytest.raises(
+        ValueError,
+        match=rf"^strategy={given} runs one process on one device, but 2 device\(s\) on 1 node\(s\) were asked for; "
+        r"use strategy='ddp' \(or 'fsdp'\), or devices=1$",
+    ):
+        make(accelerator="cpu", devices=2, strategy=strategy if isinstance(strategy, str) else strategy())

@@ -7,6 +7,7 @@ import os
 import stat
 from pathlib import Path
 
+from torchrig.arguments import file_in_the_way
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import META
 from torchrig.checkpoint.reading import read_meta_quiet
@@ -38,8 +39,10 @@ def check_target(target: Path, link: str | None = None) -> None:
         "; only a missing path or a torchrig checkpoint (a directory holding its meta.json, not a link) is "
         "replaced: give a new path such as 'checkpoints/step-000100', or remove what is there yourself"
     )
-    if target.name in ("", ".", ".."):
+    if target.name == "":
         raise CheckpointError(f"cannot save a checkpoint at {target}: it is the root of the file system{fix}")
+    if target.name == "..":
+        raise CheckpointError(f"cannot save a checkpoint at {target}: it is the directory {target.resolve()}{fix}")
     for name in (target.name, link or ""):
         if len(os.fsencode(name)) > NAME_MAX:
             shown = target if name == target.name else target.parent / name
@@ -51,12 +54,12 @@ def check_target(target: Path, link: str | None = None) -> None:
         check_link(target.parent / link)
     try:
         mode = target.lstat().st_mode
-    except FileNotFoundError:
-        parent = target.parent
-        if parent.exists() and not parent.is_dir():
-            what = _what_is_at(parent, parent.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):  # nothing there, or a file where a folder above should be
+        blocking = file_in_the_way(target.parent)
+        if blocking is not None:
+            what = _what_is_at(blocking, blocking.lstat().st_mode)
             raise CheckpointError(
-                f"cannot save a checkpoint at {target}: its folder {parent} is {what}, not a directory; "
+                f"cannot save a checkpoint at {target}: {blocking} is {what}, not a directory; "
                 "give a path inside a directory"
             ) from None
         return

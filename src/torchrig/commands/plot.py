@@ -18,7 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         metavar="RUN_DIR",
         help="a run directory with a metrics.csv (e.g. runs/demo/digits/version_0), or that metrics.csv itself",
     )
-    p.add_argument("-o", "--output", help="where to write the PNG (default: RUN_DIR/learning_curves.png)")
+    p.add_argument(
+        "-o", "--output", help="the PNG file to write, or a folder to write learning_curves.png into (default: RUN_DIR)"
+    )
     p.set_defaults(handler=main)
 
 

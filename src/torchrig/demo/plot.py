@@ -106,5 +106,7 @@ def plot_learning_curves(run_dir: str | os.PathLike[str], output: str | os.PathL
         title += f"  (test accuracy {test_acc:.2%})"
     figure.suptitle(title)
     path = Path(output) if output is not None else run_dir / PNG_NAME
-    figure.savefig(path)
+    if path.is_dir():  # a folder given: the PNG goes into it
+        path = path / PNG_NAME
+    figure.savefig(path, format=path.suffix[1:] or "png")  # a name without a suffix is written as it is
     return path

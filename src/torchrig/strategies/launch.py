@@ -52,10 +52,11 @@ def script_command() -> list[str]:
         name = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
         return [sys.executable, "-m", name, *sys.argv[1:]]
     main_file = getattr(__main__, "__file__", None)
-    if not main_file or not sys.argv or sys.argv[0] in ("", "-c"):
+    if not main_file or not sys.argv or not os.path.isfile(main_file):  # "<stdin>" for python -
         raise ValueError(
             "strategy='ddp' starts the other processes by running this script again, but this process "
-            "was not started from a script file (an interactive session, a notebook, or python -c). "
+            "was not started from a script file (an interactive session, a notebook, python -c, or a script "
+            "read from stdin, python -). "
             "Use strategy='ddp_notebook' (fork) or 'ddp_spawn' with rig.launch(fn), or start the "
             "script with `torchrig run --devices N script.py`"
         )

@@ -12,6 +12,7 @@ per-step sync. Only global rank zero writes.
 from __future__ import annotations
 
 import contextlib
+import csv
 import math
 import os
 import re
@@ -384,13 +385,16 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, float | int]
     if not path.exists():
         raise FileNotFoundError(f"no {METRICS_FILE} in {Path(run_dir)}; pass a run directory a CSVLogger wrote")
     out: list[dict[str, float | int]] = []
-    for raw in read_rows(path):
-        row: dict[str, float | int] = {}
-        for key, cell in raw.items():
-            if cell in ("", None):
-                continue
-            row[key] = int(float(cell)) if key in ("step", "epoch") else float(cell)
-        out.append(row)
+    try:
+        for raw in read_rows(path):
+            row: dict[str, float | int] = {}
+            for key, cell in raw.items():
+                if cell in ("", None):
+                    continue
+                row[key] = int(float(cell)) if key in ("step", "epoch") else float(cell)
+            out.append(row)
+    except (ValueError, TypeError, csv.Error) as err:  # not text, a cell that is no number, a broken line
+        raise ValueError(f"{path} is not a {METRICS_FILE} that a CSVLogger wrote: {err}") from None
     return out
 
 

@@ -395,16 +395,22 @@ def _train_loader(tr: Trainer, module: TrainingModule, datamodule: DataModule | 
             "fit() needs training data: pass train_dataloaders=, a datamodule= with train_dataloader(), "
             f"or define train_dataloader() on {type(module).__name__}"
         )
-    return _moves_batches(tr, [_prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders")])[0]
+    return _moves_batches(
+        tr, [_prepare_loader(tr, debugging.train_loader(tr, train), "train_dataloaders", several=False)]
+    )[0]
 
 
-def _prepare_loader(tr: Trainer, loader: Any, what: str) -> Any:
+def _prepare_loader(tr: Trainer, loader: Any, what: str, *, several: bool = True) -> Any:
+    """``loader`` prepared (once per run); ``several``: ``what`` also takes a list of loaders."""
     if isinstance(loader, RigDataLoader):
         return loader
     if not isinstance(loader, DataLoader):
-        raise TypeError(
-            f"{what} must be a torch.utils.data.DataLoader (or a list of them); got {type(loader).__name__}"
-        )
+        got = type(loader).__name__
+        if isinstance(loader, (list, tuple)):
+            got = f"a {got} holding {', '.join(sorted({type(item).__name__ for item in loader})) or 'nothing'}"
+        takes = "a torch.utils.data.DataLoader (or a list of them)" if several else "one torch.utils.data.DataLoader"
+        hint = "" if several else " (a fit trains on one loader: join datasets with torch.utils.data.ConcatDataset)"
+        raise TypeError(f"{what} must be {takes}; got {got}{hint}")
     cached = tr.run.prepared_loaders.get(id(loader))
     if cached is not None and cached[0] is loader:
         return cached[1]
