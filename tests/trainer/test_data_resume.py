@@ -266,6 +266,28 @@ def test_a_hugging_face_stream_with_workers_resumes_exactly(tmp_path: Path) -> N
     assert_same_fit(whole, pieces)
 
 
+def test_a_shuffled_hugging_face_stream_is_reshuffled_each_epoch_and_a_resume_loses_its_buffer(
+    tmp_path: Path,
+) -> None:
+    """docs/data.md: a Hugging Face stream is shuffled anew each epoch (``set_epoch`` is called for
+    you), but ``datasets`` saves no shuffle buffer's content: a resume refills the buffer from the
+    position after it, so the examples that were in it are not trained in that epoch."""
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(_hf_stream().shuffle(seed=3, buffer_size=8), batch_size=4)
+
+    whole = fit_in_pieces(tmp_path / "whole", make, [], max_epochs=2)
+    first, second = [i for b in whole[0][:10] for i in b], [i for b in whole[0][10:] for i in b]
+    assert sorted(first) == sorted(second) == list(range(40))
+    assert first != second  # epoch 1 is shuffled with its own seed
+    pieces = fit_in_pieces(tmp_path / "pieces", make, [3])
+    assert pieces[0][:3] == whole[0][:3]
+    trained = [i for b in pieces[0] for i in b]
+    assert len(set(trained)) == len(trained)  # nothing twice
+    lost = set(range(40)) - set(trained)
+    assert 0 < len(lost) <= 8, lost  # at most the buffer's size
+
+
 def test_validation_at_the_end_of_an_epoch_of_a_stream_and_fractions_refused(tmp_path: Path) -> None:
     module = IdRegressor()
     trainer = quiet_trainer(tmp_path, max_epochs=2)
