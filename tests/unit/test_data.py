@@ -231,3 +231,17 @@ def test_a_stateful_dataloader_of_a_buffered_stream_saves_no_stream_state_and_re
         with pytest.warns(UserWarning, match="reads the 2 batches it already trained on again") as caught:
             assert [b["id"].tolist() for b in resumed] == whole[2:]
         assert "its state does not hold its shuffle buffer (shuffle(buffer_size=8)" in str(caught[0].message)
+
+
+def test_a_stream_shuffled_with_a_buffer_but_no_seed_is_in_another_order_each_time_it_is_built() -> None:
+    # docs/data.md: give shuffle a seed. Without one, datasets draws the order from fresh entropy
+    # when the stream is built, whatever seed_everything set: a resumed process builds another.
+    from datasets import Dataset
+
+    table = Dataset.from_dict({"id": list(range(40))})
+    orders = []
+    for _ in range(2):
+        torchrig.Rig(accelerator="cpu", devices=1).seed_everything(0)
+        orders.append([row["id"] for row in table.to_iterable_dataset(num_shards=4).shuffle(buffer_size=8)])
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(40))
+    assert orders[0] != orders[1]
