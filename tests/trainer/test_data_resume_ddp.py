@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import HERE, subprocess_env
+from trainer_helpers import HERE, run_child, subprocess_env
 
 SCRIPT = r"""
 import json, os, sys
@@ -134,12 +134,6 @@ def test_a_stream_shuffled_with_a_buffer_on_two_processes_resumes_exactly_by_rep
     # Each rank's share of a buffered stream (split_dataset_by_node), 2 workers a rank, stopped
     # twice in epoch 0 and once in epoch 1: each resumed loader replays its rank's share of the
     # epoch up to the stop (its datasets state holds no buffer) and gives the uninterrupted batches.
-    script = tmp_path / "buffered.py"
-    script.write_text(BUFFERED)
-    env = subprocess_env()
-    env["PYTHONPATH"] = f"{HERE}:{env['PYTHONPATH']}"
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=55, cwd=tmp_path
-    )
+    done = run_child(tmp_path, BUFFERED, timeout=55)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "result: ok 20 batches a rank" in done.stdout, done.stdout + done.stderr[-3000:]
