@@ -141,21 +141,6 @@ def test_a_stateful_stream_runs_in_a_stateful_dataloader_and_resumes_from_its_po
     assert [b.tolist() for b in resumed] == [[8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
 
 
-def test_a_stream_position_saved_by_another_number_of_processes_is_refused() -> None:
-    loader = _prepared(DataLoader(_Stream(20), batch_size=4))
-    it = iter(loader)
-    next(it)
-    state = loader.state_dict()
-    state["loader_state"] = state["loader_state"] * 2  # as 2 processes save it
-    with pytest.raises(ValueError) as err:
-        _prepared(DataLoader(_Stream(20), batch_size=4)).load_state_dict(state)
-    assert str(err.value) == (
-        "the checkpoint's _Stream stream was saved by 2 processes, each at its own position in its share of the "
-        "stream; this run has 1. Resume it with 2 processes: a position in one share of a stream does not say "
-        "where another number of shares would be"
-    )
-
-
 def _hf_buffered(n: int = 16) -> Any:
     from datasets import Dataset
 
@@ -245,3 +230,18 @@ def test_a_stream_shuffled_with_a_buffer_but_no_seed_is_in_another_order_each_ti
         orders.append([row["id"] for row in table.to_iterable_dataset(num_shards=4).shuffle(buffer_size=8)])
     assert sorted(orders[0]) == sorted(orders[1]) == list(range(40))
     assert orders[0] != orders[1]
+
+
+def test_a_stream_position_saved_by_another_number_of_processes_is_refused() -> None:
+    loader = _prepared(DataLoader(_Stream(20), batch_size=4))
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    state["loader_state"] = state["loader_state"] * 2  # as 2 processes save it
+    with pytest.raises(ValueError) as err:
+        _prepared(DataLoader(_Stream(20), batch_size=4)).load_state_dict(state)
+    assert str(err.value) == (
+        "the checkpoint's _Stream stream was saved by 2 processes, each at its own position in its share of the "
+        "stream; this run has 1. Resume it with 2 processes: a position in one share of a stream does not say "
+        "where another number of shares would be"
+    )
