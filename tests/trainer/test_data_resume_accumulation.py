@@ -39,10 +39,13 @@ PIPELINES: dict[str, Callable[[], DataLoader[Any]]] = {
     "plain_stream": lambda: DataLoader(Stream(40, stateful=False), batch_size=4),
     "hf_dataset": lambda: DataLoader(_hf_table(), batch_size=4, shuffle=True),
     "hf_stream": lambda: DataLoader(_hf_stream(), batch_size=4),
+    # its state does not hold its shuffle buffer: each resume replays the epoch up to the stop
+    "hf_stream_buffered": lambda: DataLoader(_hf_stream().shuffle(seed=3, buffer_size=8), batch_size=4, num_workers=2),
 }
 
 
 @pytest.mark.filterwarnings("ignore:resuming the Stream:UserWarning")  # the plain stream reads its batches again
+@pytest.mark.filterwarnings("ignore:resuming the IterableDataset:UserWarning")  # and the buffered one
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 def test_three_resumes_inside_an_accumulating_epoch_train_the_uninterrupted_batches(tmp_path: Path, name: str) -> None:
     # Steps after batches 3, 6, 9 and 10 (the last, partial window): stopped after each of the
@@ -68,7 +71,7 @@ class StopAfterFirstValidation(torchrig.Callback):
 
 @pytest.mark.filterwarnings("ignore:resuming the Stream:UserWarning")
 @pytest.mark.parametrize("accumulate", [1, 3])
-@pytest.mark.parametrize("name", ["stateful_stream", "plain_stream", "hf_stream"])
+@pytest.mark.parametrize("name", ["stateful_stream", "plain_stream", "hf_stream", "hf_stream_buffered"])
 def test_a_stream_saved_after_its_epoch_ended_resumes_with_the_next_epoch(
     tmp_path: Path, name: str, accumulate: int
 ) -> None:

@@ -1,5 +1,6 @@
 """A Hugging Face stream under 2 gloo processes: each rank reads its own share (disjoint, together
-the whole stream), and a fit stopped and resumed twice inside the epoch equals the uninterrupted one."""
+the whole stream), and a fit stopped and resumed twice inside the epoch equals the uninterrupted one;
+one shuffled with a buffer (whose state does not hold it) resumes exactly too, by replaying."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import HERE, subprocess_env
+from trainer_helpers import HERE, run_child, subprocess_env
 
 SCRIPT = r"""
 import json, os, sys
@@ -72,3 +73,67 @@ def test_a_sharded_stream_on_two_processes_is_split_and_resumes_exactly(tmp_path
     pieces, resumed = _fit(tmp_path / "pieces", [4])
     assert pieces == whole
     assert all(torch.equal(weights[k], resumed[k]) for k in weights)  # bitwise
+
+
+BUFFERED = r"""
+import re, warnings
+import torch
+from torch.utils.data import DataLoader
+import torchrig
+from test_data_resume import _hf_stream
+
+
+def ids(loader, stop=None):
+    # the ids of the batches of one epoch, up to ``stop`` of them (the epoch then left unfinished)
+    seen = []
+    for batch in loader:
+        seen.append(batch["id"].tolist())
+        if len(seen) == stop:
+            loader.end_workers()
+            break
+    return seen
+
+
+def run(rig):
+    def make():
+        stream = _hf_stream().shuffle(seed=3, buffer_size=6).map(lambda row: row)
+        return rig.prepare(DataLoader(stream, batch_size=2, num_workers=2))
+
+    loader = make()
+    whole = ids(loader) + ids(loader)  # 2 epochs of this rank's share
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # stopped after batches 3 and 6 of epoch 0 and batch 2 of epoch 1, each resumed by a new loader
+        steps = [lambda l: ids(l, 3), lambda l: ids(l, 3), lambda l: ids(l) + ids(l, 2), ids]
+        pieces, state, rng = [], None, None
+        for step in steps:
+            loader = make()
+            if state is not None:
+                loader.load_state_dict(state)
+                torch.set_rng_state(rng)
+            pieces += step(loader)
+            state, rng = loader.state_dict(), torch.get_rng_state()
+    assert pieces == whole, (rig.global_rank, pieces, whole)
+    replays = [re.search(r"reads the (\d+) batches", str(w.message)) for w in caught]
+    assert [int(m.group(1)) for m in replays if m] == [3, 6, 2], [str(w.message) for w in caught]
+    shares = rig.strategy.all_gather_object(sorted(i for batch in whole[:10] for i in batch))
+    assert not set(shares[0]) & set(shares[1]), shares  # each rank its own share of epoch 0
+    assert sorted(shares[0] + shares[1]) == list(range(40)), shares
+    return f"ok {len(whole)} batches a rank"
+
+
+if __name__ == "__main__":
+    print("result:", torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp_notebook").launch(run), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_stream_shuffled_with_a_buffer_on_two_processes_resumes_exactly_by_replaying(tmp_path: Path) -> None:
+    # Each rank's share of a buffered stream (split_dataset_by_node), 2 workers a rank, stopped
+    # twice in epoch 0 and once in epoch 1: each resumed loader replays its rank's share of the
+    # epoch up to the stop (its datasets state holds no buffer) and gives the uninterrupted batches.
+    done = run_child(tmp_path, BUFFERED, timeout=55)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "result: ok 20 batches a rank" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -141,6 +141,97 @@ def test_a_stateful_stream_runs_in_a_stateful_dataloader_and_resumes_from_its_po
     assert [b.tolist() for b in resumed] == [[8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
 
 
+def _hf_buffered(n: int = 16) -> Any:
+    from datasets import Dataset
+
+    stream = Dataset.from_dict({"id": list(range(n))}).to_iterable_dataset(num_shards=4).with_format("torch")
+    return stream.shuffle(seed=1, buffer_size=8)
+
+
+def test_a_hugging_face_stream_shuffled_with_a_buffer_is_found_through_the_steps_after_it() -> None:
+    # datasets' state of such a stream holds its position, not its buffer: it keeps no position
+    # torchrig can resume from, also mapped, filtered, batched, split, interleaved... after.
+    from datasets import Dataset, interleave_datasets
+    from datasets.distributed import split_dataset_by_node
+
+    from torchrig.data.iterable import keeps_position, shuffle_buffer
+
+    table = Dataset.from_dict({"id": list(range(16))})
+    plain, buffered = table.to_iterable_dataset(num_shards=4), _hf_buffered()
+    for after in (
+        buffered,
+        buffered.map(lambda row: row),
+        buffered.filter(lambda row: True),
+        buffered.batch(2),
+        buffered.take(10),
+        split_dataset_by_node(buffered, rank=1, world_size=2),
+        interleave_datasets([plain, buffered]),
+    ):
+        assert shuffle_buffer(after) == 8
+        assert not keeps_position(after)
+    for unbuffered in (plain, plain.map(lambda row: row), interleave_datasets([plain, plain])):
+        assert shuffle_buffer(unbuffered) is None
+        assert keeps_position(unbuffered)
+    assert shuffle_buffer(table.shuffle(seed=0)) is shuffle_buffer(_Stream(4)) is None  # map-style; not datasets'
+    assert not keeps_position(table) and keeps_position(_Stream(4))
+
+
+def test_a_hugging_face_stream_shuffled_with_a_buffer_runs_in_a_plain_dataloader_on_every_rank() -> None:
+    from datasets import IterableDataset as HFIterable
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torchrig.data import rebuild_iterable
+    from torchrig.data.iterable import shuffle_buffer
+
+    loader = _prepared(DataLoader(_hf_buffered(), batch_size=4))
+    assert type(loader.loader) is DataLoader  # its state could not resume it: no StatefulDataLoader
+    shares = []
+    for rank in range(2):  # under 2 processes, each rank's share, still in a plain DataLoader
+        share = rebuild_iterable(DataLoader(_hf_buffered(), batch_size=4), kwargs={}, num_replicas=2, rank=rank)
+        assert type(share) is DataLoader and isinstance(share.dataset, HFIterable)
+        assert shuffle_buffer(share.dataset) == 8
+        shares.append(sorted(i for batch in share for i in batch["id"].tolist()))
+    assert not set(shares[0]) & set(shares[1]) and sorted(shares[0] + shares[1]) == list(range(16))
+    assert type(_prepared(DataLoader(_Stream(8), batch_size=4)).loader) is StatefulDataLoader  # (others still are)
+
+
+def test_a_stateful_dataloader_of_a_buffered_stream_saves_no_stream_state_and_replays_its_epoch() -> None:
+    # A StatefulDataLoader the user made is kept; its datasets state (without the buffer) is
+    # neither saved nor, from a checkpoint that holds it, loaded: the epoch is read again.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make() -> RigDataLoader:
+        return _prepared(StatefulDataLoader(_hf_buffered(), batch_size=4))
+
+    whole = [b["id"].tolist() for b in make()]
+    loader = make()
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    assert "loader_state" not in state and state["batches_seen"] == 2
+    with_stream_state = dict(state, loader_state=[loader.loader.state_dict()])  # as the previous version saved it
+    for saved in (state, with_stream_state):
+        resumed = make()
+        resumed.load_state_dict(saved)
+        with pytest.warns(UserWarning, match="reads the 2 batches it already trained on again") as caught:
+            assert [b["id"].tolist() for b in resumed] == whole[2:]
+        assert "its state does not hold its shuffle buffer (shuffle(buffer_size=8)" in str(caught[0].message)
+
+
+def test_a_stream_shuffled_with_a_buffer_but_no_seed_is_in_another_order_each_time_it_is_built() -> None:
+    # docs/data.md: give shuffle a seed. Without one, datasets draws the order from fresh entropy
+    # when the stream is built, whatever seed_everything set: a resumed process builds another.
+    from datasets import Dataset
+
+    table = Dataset.from_dict({"id": list(range(40))})
+    orders = []
+    for _ in range(2):
+        torchrig.Rig(accelerator="cpu", devices=1).seed_everything(0)
+        orders.append([row["id"] for row in table.to_iterable_dataset(num_shards=4).shuffle(buffer_size=8)])
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(40))
+    assert orders[0] != orders[1]
+
+
 def test_a_stream_position_saved_by_another_number_of_processes_is_refused() -> None:
     loader = _prepared(DataLoader(_Stream(20), batch_size=4))
     it = iter(loader)

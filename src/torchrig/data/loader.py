@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from torchrig.data.iterable import is_stateful, is_stateful_loader
+from torchrig.data.iterable import is_stateful, is_stateful_loader, keeps_position, shuffle_buffer
 from torchrig.data.samplers import ResumableSampler, ResumedIndices
 from torchrig.nested import move_batch
 
@@ -97,7 +97,8 @@ class RigDataLoader:
     A map-style loader skips the consumed batches as indices: no sample of them is read. A loader
     over an ``IterableDataset`` in a ``torchdata`` StatefulDataLoader (what ``prepare`` makes of
     one whose dataset has ``state_dict``/``load_state_dict``) saves and restores the dataset's own
-    position, in its workers too; any other iterable loader reads the consumed batches again.
+    position, in its workers too; any other iterable loader, and one whose dataset's state does
+    not resume it (a Hugging Face stream shuffled with a buffer), reads the consumed batches again.
 
     With ``look_ahead`` (the Trainer sets it on its training loader under accumulation), an epoch
     of a loader without a length is read one batch ahead, so :attr:`at_last_batch` says, when a
@@ -289,7 +290,7 @@ class RigDataLoader:
             # Without the epoch's state (a checkpoint from before it was saved), the DataLoader's
             # draw is not repeated: the restored RNG state is already after it.
             if isinstance(loader.dataset, IterableDataset):
-                if loader_state is not None and is_stateful_loader(loader):  # the dataset's (workers') own
+                if loader_state is not None and self._keeps_stream_position():  # the dataset's (workers') own
                     loader.load_state_dict(loader_state)  # type: ignore[attr-defined]
                     return iter(loader)
                 self._warn_replay(skip)
@@ -315,14 +316,24 @@ class RigDataLoader:
     def _warn_replay(self, skip: int) -> None:
         dataset = self.loader.dataset
         name = type(dataset).__name__
-        fix = (
-            "install torchdata (prepare() then runs it in a StatefulDataLoader, which saves that position)"
-            if is_stateful(dataset)
-            else "give it state_dict() and load_state_dict() (its position in the stream; docs/data.md shows how)"
-        )
+        buffer = shuffle_buffer(dataset)
+        if buffer is not None:
+            why = (
+                f"its state does not hold its shuffle buffer (shuffle(buffer_size={buffer}): datasets saves the "
+                "stream's position, not the examples waiting in the buffer), so the epoch is replayed from its start "
+                "to give the same examples in the same order"
+            )
+            fix = "shuffle a map-style datasets.Dataset instead (DataLoader(shuffle=True) resumes it by index)"
+        else:
+            why = f"{name} keeps no position torchrig can save"
+            fix = (
+                "install torchdata (prepare() then runs it in a StatefulDataLoader, which saves that position)"
+                if is_stateful(dataset)
+                else "give it state_dict() and load_state_dict() (its position in the stream; docs/data.md shows how)"
+            )
         warnings.warn(
             f"resuming the {name} of this loader reads the {skip} batches it already trained on again and throws "
-            f"them away, as {name} keeps no position torchrig can save; to resume without reading them, {fix}",
+            f"them away, as {why}; to resume without reading them, {fix}",
             stacklevel=4,
         )
 
@@ -349,8 +360,10 @@ class RigDataLoader:
         return {key: self._every_rank(value) if key in _PER_RANK else value for key, value in local.items()}
 
     def _keeps_stream_position(self) -> bool:
-        """Whether the loader is a StatefulDataLoader over a stream: the state saves its position."""
-        return isinstance(self.loader.dataset, IterableDataset) and is_stateful_loader(self.loader)
+        """Whether the loader is a StatefulDataLoader over a stream whose own state resumes it (not
+        one shuffled with a buffer it does not save): the state saves its position."""
+        dataset = self.loader.dataset
+        return isinstance(dataset, IterableDataset) and is_stateful_loader(self.loader) and keeps_position(dataset)
 
     def _here(self, batches_seen: int, loader_state: dict[str, Any] | None) -> dict[str, Any]:
         """This rank's part of the position after ``batches_seen`` batches of the current epoch,
