@@ -206,6 +206,44 @@ def test_a_download_is_hashed_as_it_arrives_and_that_digest_refuses_a_tampered_o
     assert set(rehashed) == {"model.safetensors", "state.pt"}
 
 
+def test_a_download_that_fails_is_raised_as_it_is_and_nothing_changes(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A store that breaks off one transfer (not a missing object): its error reaches the caller,
+    # the other transfers stop, and the objects are not touched.
+    import contextlib
+
+    from torchrig.checkpoint import remote
+
+    rig = _rig()
+    model, opt = trained_mlp(0)
+    rig.save(f"{memory_url}/ck", {"model": model, "optimizer": opt, "step": 1})
+    real = remote._streamed
+
+    @contextlib.contextmanager
+    def breaking(fs: Any, path: str) -> Any:
+        with real(fs, path) as read:
+            if path.endswith("/model.safetensors"):
+
+                def broken(n: int) -> bytes:
+                    raise ConnectionResetError("the store closed the connection")
+
+                yield broken
+            else:
+                yield read
+
+    monkeypatch.setattr(remote, "_streamed", breaking)
+    other, other_opt = trained_mlp(1)
+
+    def everything() -> list[torch.Tensor]:
+        return [*other.state_dict().values(), *(t for s in other_opt.state.values() for t in s.values())]
+
+    before = [t.clone() for t in everything()]
+    with pytest.raises(ConnectionResetError, match=r"^the store closed the connection$"):
+        rig.load(f"{memory_url}/last", {"model": other, "optimizer": other_opt})
+    assert all(torch.equal(a, b) for a, b in zip(before, everything(), strict=True))
+
+
 def test_an_object_longer_than_meta_json_says_is_refused_with_its_size(memory_url: str) -> None:
     # The download reads one byte past the listed size, not the whole object, and names its real size.
     rig = _rig()

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -206,10 +207,11 @@ def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any
     names = list(files)
     if not names:
         return {}
-    workers = min(_DOWNLOADS, len(names))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="torchrig-download") as pool:
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=min(_DOWNLOADS, len(names)), thread_name_prefix="torchrig-download")
+    try:
         jobs = {
-            n: pool.submit(_download_one, fs, f"{version}/{n}", folder / n, files[n]["size"], f"{origin}/{n}")
+            n: pool.submit(_download_one, fs, f"{version}/{n}", folder / n, files[n]["size"], f"{origin}/{n}", stop)
             for n in names
         }
         digests, missing = {}, []
@@ -218,6 +220,11 @@ def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any
                 digests[n] = job.result()
             except FileNotFoundError:
                 missing.append(n)
+    except BaseException as err:
+        stop.set()  # the other transfers end at their next piece; Ctrl-C does not wait even for that
+        pool.shutdown(wait=isinstance(err, Exception), cancel_futures=True)
+        raise
+    pool.shutdown()
     if missing:
         raise CheckpointError(
             f"{origin}/{missing[0]} is missing; {META} lists it ({files[missing[0]]['size']} bytes): the "
@@ -227,10 +234,11 @@ def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any
     return digests
 
 
-def _download_one(fs: Any, path: str, local: Path, size: int, shown: str) -> str:
+def _download_one(fs: Any, path: str, local: Path, size: int, shown: str, stop: threading.Event) -> str:
     """The object at ``path`` into the new file ``local``: at most ``size + 1`` bytes read (one
     more than ``meta.json`` lists, to see an object that grew), each piece hashed and written on
-    a second thread while the next one arrives; its SHA-256."""
+    a second thread while the next one arrives; its SHA-256 (nothing once ``stop`` is set: another
+    download failed)."""
     done = 0
     with (
         _streamed(fs, path) as read,
@@ -243,6 +251,8 @@ def _download_one(fs: Any, path: str, local: Path, size: int, shown: str) -> str
             chunk = read(min(_DOWNLOAD_CHUNK, size + 1 - done))
             if not chunk:
                 break
+            if stop.is_set():
+                return ""
             if written is not None:
                 written.result()
             written = pool.submit(out.write, chunk)
