@@ -260,6 +260,27 @@ def test_an_object_longer_than_meta_json_says_is_refused_with_its_size(memory_ur
         rig.load(f"{memory_url}/last", {"model": model})
 
 
+def test_a_save_to_object_storage_does_not_fsync_its_staging_copy(
+    memory_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The staged files only feed the upload (the store makes them durable) and are removed after
+    # it: no fsync there. A local save still fsyncs every file it writes.
+    from torchrig.checkpoint import files
+
+    synced: list[str] = []
+    real = files.durable
+    monkeypatch.setattr(files, "durable", lambda path: synced.append(Path(path).name) or real(path))
+    rig = _rig()
+    model, opt = trained_mlp(0)
+    rig.save(f"{memory_url}/ck", {"model": model, "optimizer": opt, "step": 1})
+    assert synced == []
+    other, other_opt = trained_mlp(1)
+    assert rig.load(f"{memory_url}/ck", {"model": other, "optimizer": other_opt})["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+    rig.save(tmp_path / "ck", {"model": model, "optimizer": opt, "step": 1})
+    assert sorted(synced) == ["model.safetensors", "state.pt"]
+
+
 def test_an_upload_without_meta_json_is_never_read(memory_url: str) -> None:
     rig = _rig()
     model, _ = trained_mlp(0)
