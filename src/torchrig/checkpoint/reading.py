@@ -117,14 +117,15 @@ _ARRIVED: dict[str, dict[str, str]] = {}
 @contextlib.contextmanager
 def hashed_on_arrival(folder: Path, digests: dict[str, str]) -> Iterator[None]:
     """While inside, every :class:`VerifiedReader` of ``folder`` takes ``digests`` (file name ->
-    SHA-256) as the hashes of those files instead of reading and hashing them again.
+    SHA-256) as the hashes of those files instead of reading and hashing them again; files
+    added to ``digests`` meanwhile (downloaded later) count too.
 
     Only for a private folder torchrig made and wrote itself, the digests taken from the very
     bytes it wrote there (a download hashed as it arrived): the reader still compares each one
     with ``meta.json`` before anything is parsed or filled, exactly as it compares its own.
     """
     key = os.fspath(folder)
-    _ARRIVED[key] = dict(digests)
+    _ARRIVED[key] = digests
     try:
         yield
     finally:
