@@ -35,13 +35,13 @@ later ones reuse: on its own line. Target: blocked at most 20% of the synchronou
     python benchmarks/checkpoint_io.py --async --size-gb 1 --repeats 5
 
 ``--url s3://BUCKET/PREFIX``: checkpoints on object storage. ``rig.save(url)`` (the files staged
-locally with SHA-256 and fsync, uploaded under a prefix of their own, ``meta.json`` last, then
+locally with SHA-256, not fsynced, uploaded under a prefix of their own, ``meta.json`` last, then
 the ``last`` object) against uploading the very same files with ``s3fs`` directly
-(``fs.put``), and ``rig.load(url)`` (download, every checksum verified, objects filled) against
-downloading them with ``fs.get``; alternating round by round. Target: at most 1.2x each. The
-client finds the server through the usual ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for a
-local one); ``--start-moto`` starts a moto S3 server on localhost in its own process and
-creates the bucket.
+(``fs.put``), and ``rig.load(url)`` (download, each object hashed as it arrives, every checksum
+verified, objects filled) against downloading them with ``fs.get``; alternating round by
+round. Target: at most 1.2x each. The client finds the server through the usual ``AWS_*``
+variables (``AWS_ENDPOINT_URL`` for a local one); ``--start-moto`` starts a moto S3 server on
+localhost in its own process and creates the bucket.
 
     python benchmarks/checkpoint_io.py --url s3://bench/ckpt --start-moto --size-gb 0.25 --repeats 5
 """

@@ -8,7 +8,9 @@ server (moto) and the real s3fs client: test_checkpoint_s3.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +157,128 @@ def test_a_tampered_object_is_refused_and_nothing_changes(memory_url: str) -> No
     with pytest.raises(CheckpointError, match=r"checksum mismatch in .*model\.safetensors: SHA-256 is"):
         rig.load(f"{memory_url}/last", {"model": other})
     assert all(torch.equal(a, b) for a, b in zip(before, other.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "state.pt"])
+def test_a_download_is_hashed_as_it_arrives_and_that_digest_refuses_a_tampered_object(
+    memory_url: str, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reader never reads a downloaded file back to hash it: the digest taken while the bytes
+    # arrived is compared with meta.json, and it alone refuses the tampered object before anything
+    # is parsed or filled. A local load of the same files still hashes them (the spy sees it).
+    from torchrig.checkpoint import reading
+
+    rig = _rig()
+    model, opt = trained_mlp(0)
+    rig.save(f"{memory_url}/ck", {"model": model, "optimizer": opt, "step": 1})
+    (version,) = _versions(f"{memory_url}/ck")
+    rehashed: list[str] = []
+    real = reading.sha256_file
+    monkeypatch.setattr(reading, "sha256_file", lambda path, size=None: rehashed.append(path.name) or real(path, size))
+
+    other, other_opt = trained_mlp(1)
+    assert rig.load(f"{memory_url}/last", {"model": other, "optimizer": other_opt})["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+    assert rehashed == []
+
+    listed = json.loads(_fs().cat_file(f"{version}/meta.json"))["files"][name]["sha256"]
+    data = bytearray(_fs().cat_file(f"{version}/{name}"))
+    data[len(data) // 2] ^= 0xFF
+    _fs().pipe_file(f"{version}/{name}", bytes(data))
+    other, other_opt = trained_mlp(1)
+    before = [t.clone() for t in other.state_dict().values()]
+    digest = hashlib.sha256(data).hexdigest()
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^checksum mismatch in memory://{version}/{re.escape(name)}: SHA-256 is {digest}, meta\.json says "
+        rf"{listed}; the file was altered or corrupted, refusing to load it$",
+    ):
+        rig.load(f"{memory_url}/last", {"model": other, "optimizer": other_opt})
+    assert all(torch.equal(a, b) for a, b in zip(before, other.state_dict().values(), strict=True))
+    assert rehashed == []
+
+    local = tmp_path / "ck"  # the same files on the local disk: the local path hashes them as before
+    _fs().get(f"{version}/", f"{local}/", recursive=True)
+    with pytest.raises(
+        CheckpointError, match=rf"checksum mismatch in {re.escape(str(local / name))}: SHA-256 is {digest}"
+    ):
+        rig.load(local, {"model": other, "optimizer": other_opt})
+    assert set(rehashed) == {"model.safetensors", "state.pt"}
+
+
+def test_a_download_that_fails_is_raised_as_it_is_and_nothing_changes(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A store that breaks off one transfer (not a missing object): its error reaches the caller,
+    # the other transfers stop, and the objects are not touched.
+    import contextlib
+
+    from torchrig.checkpoint import remote
+
+    rig = _rig()
+    model, opt = trained_mlp(0)
+    rig.save(f"{memory_url}/ck", {"model": model, "optimizer": opt, "step": 1})
+    real = remote._streamed
+
+    @contextlib.contextmanager
+    def breaking(fs: Any, path: str) -> Any:
+        with real(fs, path) as read:
+            if path.endswith("/model.safetensors"):
+
+                def broken(n: int) -> bytes:
+                    raise ConnectionResetError("the store closed the connection")
+
+                yield broken
+            else:
+                yield read
+
+    monkeypatch.setattr(remote, "_streamed", breaking)
+    other, other_opt = trained_mlp(1)
+
+    def everything() -> list[torch.Tensor]:
+        return [*other.state_dict().values(), *(t for s in other_opt.state.values() for t in s.values())]
+
+    before = [t.clone() for t in everything()]
+    with pytest.raises(ConnectionResetError, match=r"^the store closed the connection$"):
+        rig.load(f"{memory_url}/last", {"model": other, "optimizer": other_opt})
+    assert all(torch.equal(a, b) for a, b in zip(before, everything(), strict=True))
+
+
+def test_an_object_longer_than_meta_json_says_is_refused_with_its_size(memory_url: str) -> None:
+    # The download reads one byte past the listed size, not the whole object, and names its real size.
+    rig = _rig()
+    model, _ = trained_mlp(0)
+    rig.save(f"{memory_url}/ck", {"model": model, "step": 1})
+    (version,) = _versions(f"{memory_url}/ck")
+    size = json.loads(_fs().cat_file(f"{version}/meta.json"))["files"]["model.safetensors"]["size"]
+    _fs().pipe_file(f"{version}/model.safetensors", _fs().cat_file(f"{version}/model.safetensors") + b"\0" * 10)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^memory://{version}/model\.safetensors is {size + 10} bytes but meta\.json says {size}: the file "
+        r"was truncated or altered \(checksum mismatch\); refusing to load it$",
+    ):
+        rig.load(f"{memory_url}/last", {"model": model})
+
+
+def test_a_save_to_object_storage_does_not_fsync_its_staging_copy(
+    memory_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The staged files only feed the upload (the store makes them durable) and are removed after
+    # it: no fsync there. A local save still fsyncs every file it writes.
+    from torchrig.checkpoint import files
+
+    synced: list[str] = []
+    real = files.durable
+    monkeypatch.setattr(files, "durable", lambda path: synced.append(Path(path).name) or real(path))
+    rig = _rig()
+    model, opt = trained_mlp(0)
+    rig.save(f"{memory_url}/ck", {"model": model, "optimizer": opt, "step": 1})
+    assert synced == []
+    other, other_opt = trained_mlp(1)
+    assert rig.load(f"{memory_url}/ck", {"model": other, "optimizer": other_opt})["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+    rig.save(tmp_path / "ck", {"model": model, "optimizer": opt, "step": 1})
+    assert sorted(synced) == ["model.safetensors", "state.pt"]
 
 
 def test_an_upload_without_meta_json_is_never_read(memory_url: str) -> None:

@@ -9,6 +9,7 @@ The client finds the server the way a user points it at theirs: ``AWS_ENDPOINT_U
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -89,7 +90,11 @@ def test_save_load_exact_through_s3fs(bucket: str) -> None:
     ]
 
 
-def test_a_tampered_object_is_refused(bucket: str) -> None:
+def test_a_tampered_object_is_refused_by_the_digest_taken_as_it_downloaded(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchrig.checkpoint import reading
+
     rig = torchrig.Rig(accelerator="cpu")
     model, _ = trained_mlp(0)
     rig.save(f"s3://{bucket}/ck", {"model": model, "step": 1})
@@ -98,8 +103,14 @@ def test_a_tampered_object_is_refused(bucket: str) -> None:
     data = bytearray(fs.cat_file(key))
     data[len(data) // 2] ^= 0xFF
     fs.pipe_file(key, bytes(data))
-    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*state\.pt: SHA-256 is .*, meta\.json says"):
+    rehashed: list[Path] = []  # no downloaded file is read back to be hashed
+    monkeypatch.setattr(reading, "sha256_file", lambda path, size=None: rehashed.append(path))
+    digest = hashlib.sha256(data).hexdigest()
+    with pytest.raises(
+        CheckpointError, match=rf"^checksum mismatch in s3://{key}: SHA-256 is {digest}, meta\.json says"
+    ):
         rig.load(f"s3://{bucket}/last", {"model": model})
+    assert rehashed == []
 
 
 def test_an_object_deleted_after_the_commit_is_refused_by_its_url(bucket: str) -> None:

@@ -51,7 +51,7 @@ def write(
     if isinstance(target, CheckpointURL):
         with remote.staging() as staged:
             with uncommitted(staged, lambda: payload_bytes(payload)):  # the local staging copy
-                meta = fill(rig, staged, payload)
+                meta = fill(rig, staged, payload, fsync=False)  # durable once uploaded, removed after
             remote.commit(staged, target, meta, link=link, keep_last=keep_last)
         return
     with uncommitted(target, lambda: payload_bytes(payload)):
@@ -63,10 +63,10 @@ def write(
             raise
 
 
-def fill(rig: Any, tmp: Path, payload: dict[str, Any]) -> dict[str, Any]:
-    """Write every file of a whole checkpoint into the folder ``tmp``; its ``meta.json`` content,
-    which the commit writes last."""
-    with FileSet(tmp) as files:
+def fill(rig: Any, tmp: Path, payload: dict[str, Any], *, fsync: bool = True) -> dict[str, Any]:
+    """Write every file of a whole checkpoint into the folder ``tmp`` (each fsynced with ``fsync``);
+    its ``meta.json`` content, which the commit writes last."""
+    with FileSet(tmp, fsync=fsync) as files:
         blob, external, where = extract_tensors(payload["blob"])
         names = add_tensor_files(files, STATE_TENSORS, external) if external else []
         blob["external"] = {"files": names, "where": where}

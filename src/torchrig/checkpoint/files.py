@@ -119,32 +119,37 @@ class HashingWriter(io.RawIOBase):
         return self._hash.hexdigest()
 
 
-def write_torch(path: Path, obj: Any) -> str:
-    """``torch.save`` into ``path``, fsynced; returns the SHA-256 of the bytes written."""
+def write_torch(path: Path, fsync: bool, obj: Any) -> str:
+    """``torch.save`` into ``path`` (fsynced with ``fsync``); returns the SHA-256 of the bytes written."""
     with open(path, "xb") as f:
         writer = HashingWriter(f)
         torch.save(obj, writer)  # type: ignore[arg-type]
         digest = writer.hexdigest()
         f.flush()
-    durable(path)
+    if fsync:
+        durable(path)
     return digest
 
 
 class FileSet:
     """Writes the files of one checkpoint into ``folder`` in parallel; each job returns its SHA-256.
 
+    ``fsync=False`` for a folder that is only staged for an upload (object storage makes the
+    checkpoint durable, and the folder is removed after it): its files are not fsynced.
+
     Example:
-        >>> # with FileSet(tmp) as fs: fs.add("state.pt", lambda p: write_torch(p, obj)); fs.finish()
+        >>> # with FileSet(tmp) as fs: fs.add("state.pt", functools.partial(write_torch, obj=obj)); fs.finish()
     """
 
-    def __init__(self, folder: Path, *, workers: int = 4) -> None:
+    def __init__(self, folder: Path, *, workers: int = 4, fsync: bool = True) -> None:
         self.folder = folder
+        self.fsync = fsync
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="torchrig-ckpt")
         self._jobs: dict[str, Future[str]] = {}
 
-    def add(self, name: str, write: Callable[[Path], str]) -> None:
-        """Run ``write(path) -> sha256`` on a worker thread."""
-        self._jobs[name] = self._pool.submit(write, self.folder / name)
+    def add(self, name: str, write: Callable[[Path, bool], str]) -> None:
+        """Run ``write(path, fsync) -> sha256`` on a worker thread."""
+        self._jobs[name] = self._pool.submit(write, self.folder / name, self.fsync)
 
     def finish(self) -> dict[str, dict[str, Any]]:
         """Wait for every write (re-raising the first error, ENOSPC included); the files table."""

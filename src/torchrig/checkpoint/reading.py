@@ -4,6 +4,7 @@ checked against ``meta.json`` before anything is used, pickles only through ``we
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -13,7 +14,7 @@ import os
 import pickle
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def _not_regular(path: Path, mode: int) -> CheckpointError:
     )
 
 
-def _wrong_size(path: Path, size: int, listed: int) -> CheckpointError:
+def wrong_size(path: Path | str, size: int, listed: int) -> CheckpointError:
     return CheckpointError(
         f"{path} is {size} bytes but {META} says {listed}: the file was truncated or altered "
         "(checksum mismatch); refusing to load it"
@@ -64,7 +65,7 @@ def open_regular(path: Path, size: int | None = None) -> io.FileIO:
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, st.st_mode)
         if size is not None and st.st_size != size:
-            raise _wrong_size(path, st.st_size, size)
+            raise wrong_size(path, st.st_size, size)
         return io.FileIO(fd, "rb", closefd=True)
     except BaseException:
         os.close(fd)
@@ -108,12 +109,36 @@ def read_meta_quiet(folder: Path) -> dict[str, Any] | None:
         return None
 
 
+# Folders torchrig filled itself (a download into a private temp folder, :func:`~torchrig.checkpoint.remote.fetched`)
+# -> the SHA-256 of each file there, computed from its bytes as they arrived (see :func:`hashed_on_arrival`).
+_ARRIVED: dict[str, dict[str, str]] = {}
+
+
+@contextlib.contextmanager
+def hashed_on_arrival(folder: Path, digests: dict[str, str]) -> Iterator[None]:
+    """While inside, every :class:`VerifiedReader` of ``folder`` takes ``digests`` (file name ->
+    SHA-256) as the hashes of those files instead of reading and hashing them again; files
+    added to ``digests`` meanwhile (downloaded later) count too.
+
+    Only for a private folder torchrig made and wrote itself, the digests taken from the very
+    bytes it wrote there (a download hashed as it arrived): the reader still compares each one
+    with ``meta.json`` before anything is parsed or filled, exactly as it compares its own.
+    """
+    key = os.fspath(folder)
+    _ARRIVED[key] = digests
+    try:
+        yield
+    finally:
+        del _ARRIVED[key]
+
+
 class VerifiedReader:
     """Opens the files of a checkpoint, checking each size at once and its SHA-256 in a thread.
 
     Hashing runs beside deserialization (hashlib and file reads release the GIL), and
     :meth:`check` is called before anything is loaded into the user's objects, so a damaged
-    checkpoint changes nothing.
+    checkpoint changes nothing. Files of a download hashed as they arrived
+    (:func:`hashed_on_arrival`) are not hashed again: their digests are compared instead.
     """
 
     def __init__(self, folder: Path, meta: dict[str, Any], *, verify: bool = True) -> None:
@@ -122,6 +147,12 @@ class VerifiedReader:
         self.verify = verify
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="torchrig-verify")
         self._hashes: dict[str, Future[str]] = {}
+        self._arrived = _ARRIVED.get(os.fspath(folder), {})
+
+    def _sha256(self, name: str, path: Path) -> str:
+        """The SHA-256 of the file ``name`` (at ``path``): the one taken as it arrived, or hashed now."""
+        known = self._arrived.get(name)
+        return known if known is not None else sha256_file(path, self.meta["files"][name]["size"])
 
     def path(self, name: str, *, hashing: bool = True) -> Path:
         """The path of ``name`` after checking it is listed and has the listed size.
@@ -139,9 +170,13 @@ class VerifiedReader:
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, st.st_mode)
         if st.st_size != entry["size"]:
-            raise _wrong_size(path, st.st_size, entry["size"])
+            raise wrong_size(path, st.st_size, entry["size"])
         if hashing and self.verify and name not in self._hashes:
-            self._hashes[name] = self._pool.submit(sha256_file, path, entry["size"])
+            if name in self._arrived:
+                self._hashes[name] = done = Future[str]()
+                done.set_result(self._arrived[name])
+            else:
+                self._hashes[name] = self._pool.submit(sha256_file, path, entry["size"])
         return path
 
     def check(self, name: str | None = None) -> None:
@@ -166,29 +201,32 @@ class VerifiedReader:
         path = self.path(name, hashing=False)
         data = read_regular(path)
         if self.verify:
-            self.compare(name, hashlib.sha256(data).hexdigest())
+            self.compare(name, self._arrived.get(name) or hashlib.sha256(data).hexdigest())
         return data
 
     def submit(self, name: str, fn: Callable[[Path, bool], tuple[Any, str | None]]) -> Future[Any]:
         """Run ``fn(path, hashing) -> (result, SHA-256 of the bytes it read)`` on the pool.
 
         The future gives ``result`` only once the digest matches ``meta.json``: ``fn`` reads the
-        file once, and the bytes it hashed are the bytes it deserialized.
+        file once, and the bytes it hashed are the bytes it deserialized. A file hashed as it
+        arrived is compared first, and ``fn`` asked for no hash.
         """
         path = self.path(name, hashing=False)
         return self._pool.submit(self._run, name, path, fn)
 
     def _run(self, name: str, path: Path, fn: Callable[[Path, bool], tuple[Any, str | None]]) -> Any:
-        size = self.meta["files"][name]["size"]
+        arrived = self.verify and name in self._arrived
+        if arrived:
+            self.compare(name, self._arrived[name])  # before anything parses the bytes
         try:
-            result, digest = fn(path, self.verify)
+            result, digest = fn(path, self.verify and not arrived)
         except CheckpointError:
             if self.verify:
-                self.compare(name, sha256_file(path, size))
+                self.compare(name, self._sha256(name, path))
             raise
         except Exception as err:
             if self.verify:  # a damaged file is the likely cause: say so first
-                self.compare(name, sha256_file(path, size))
+                self.compare(name, self._sha256(name, path))
             raise CheckpointError(f"could not read {path}: {type(err).__name__}: {err}") from err
         if digest is not None:
             self.compare(name, digest)

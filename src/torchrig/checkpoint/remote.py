@@ -12,10 +12,12 @@ the checkpoints holding the name it points at, written after the commit. Older v
 ``NAME`` (committed, or left by a killed save) are deleted only after that, ``meta.json`` first,
 then ``keep_last`` deletes the checkpoints beside it least far in training, in the order of a
 local folder (step, then ``save_count``; never a clock); a crash at any point leaves the previous
-``last`` loadable. A read downloads the committed files to a local temp folder and checks them
-there as a local load does (:func:`fetched`), so every guarantee of the reader holds unchanged;
-a reader that needs only some of them (a rank of a sharded load: its own shards) names them, and
-the rest are never downloaded (:func:`fetch_listed`).
+``last`` loadable. A read downloads the committed files to a private local temp folder, hashing
+each as its bytes arrive, and reads them there as a local load does (:func:`fetched`): the reader
+compares those digests with ``meta.json`` before anything is parsed or filled, so every guarantee
+of the reader holds unchanged, and no file is read back only to be hashed; a reader that needs
+only some of them (a rank of a sharded load: its own shards) names them, and the rest are never
+downloaded (:func:`fetch_listed`).
 
 ``file://`` URLs are local paths and take the local code path (:func:`local_path`).
 """
@@ -28,17 +30,19 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from torchrig.checkpoint.errors import CheckpointError
-from torchrig.checkpoint.files import resolve_checkpoint
+from torchrig.checkpoint.files import HashingWriter, resolve_checkpoint
 from torchrig.checkpoint.meta import META, META_LIMIT
 from torchrig.checkpoint.progress import least_advanced, next_save_count
-from torchrig.checkpoint.reading import read_meta
+from torchrig.checkpoint.reading import hashed_on_arrival, read_meta, wrong_size
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 _VERSION = re.compile(r"v-[0-9]{20}-[0-9a-f]{8}")
@@ -178,7 +182,10 @@ def fetched(
     """The checkpoint folder at ``path`` to read: a local one as it is (:func:`resolve_checkpoint`);
     one on object storage downloaded to a temp folder (removed afterwards): its ``meta.json``
     first, checked against the schema, then only the files it lists: every one, or with ``names``
-    the ones ``names(meta)`` returns; the others come only if a reader asks (:func:`fetch_listed`)."""
+    the ones ``names(meta)`` returns; the others come only if a reader asks (:func:`fetch_listed`).
+    Each is hashed as its bytes arrive (:func:`_download`), and the reader compares those digests
+    with ``meta.json`` (:func:`~torchrig.checkpoint.reading.hashed_on_arrival`) instead of reading
+    every file twice."""
     url = as_url(path)
     if url is None:
         yield resolve_checkpoint(local_path(path))
@@ -190,14 +197,15 @@ def fetched(
             meta = read_meta(folder)  # the names it lists are plain file names (checked)
             listed: dict[str, dict[str, Any]] = meta["files"]
             first = listed if names is None else {n: listed[n] for n in names(meta) if n in listed}
-            _download(fs, version, origin, first, folder)
+            arrived = _download(fs, version, origin, first, folder)
 
             def later(wanted: Collection[str]) -> None:
                 rest = {n: listed[n] for n in sorted(wanted) if n in listed and not os.path.lexists(folder / n)}
-                _download(fs, version, origin, rest, folder)
+                arrived.update(_download(fs, version, origin, rest, folder))
 
             _LATER[os.path.realpath(folder)] = later
-            yield folder
+            with hashed_on_arrival(folder, arrived):  # the readers see what ``later`` adds
+                yield folder
         except CheckpointError as err:  # the reader's refusal names the stored object, not a temp copy
             staged = re.escape(os.path.join(tempfile.gettempdir(), _STAGE_PREFIX)) + "[A-Za-z0-9_]+"
             text = re.sub(staged, lambda _: origin, str(err))  # this rank's temp folder, or another rank's (sharded)
@@ -216,24 +224,94 @@ def fetch_listed(folder: Path, names: Collection[str]) -> None:
         later(names)
 
 
-def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any]], folder: Path) -> None:
-    """The objects ``files`` lists, from ``version`` into ``folder``; one that is gone is refused
-    as a local load refuses a missing file (the checkpoint was changed after its commit)."""
+_DOWNLOAD_CHUNK = 1 << 20  # bytes asked for per read of a download: few Python steps, little memory
+_DOWNLOADS = 8  # objects downloaded at once
+
+
+def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any]], folder: Path) -> dict[str, str]:
+    """The objects ``files`` lists, from ``version`` into ``folder``, all at once; the SHA-256 of
+    each, taken from its bytes as they arrived (hashlib releases the GIL: the hashes run beside
+    the transfers). One that is gone is refused as a local load refuses a missing file (the
+    checkpoint was changed after its commit); one of another size than ``meta.json`` says, as a
+    local load refuses it, before anything is read."""
     names = list(files)
     if not names:
-        return
+        return {}
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=min(_DOWNLOADS, len(names)), thread_name_prefix="torchrig-download")
     try:
-        fs.get([f"{version}/{n}" for n in names], [str(folder / n) for n in names])
-    except FileNotFoundError:
-        stored = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(version, detail=False)}
-        missing = [n for n in names if n not in stored]
-        if not missing:
-            raise
+        jobs = {
+            n: pool.submit(_download_one, fs, f"{version}/{n}", folder / n, files[n]["size"], f"{origin}/{n}", stop)
+            for n in names
+        }
+        digests, missing = {}, []
+        for n, job in jobs.items():
+            try:
+                digests[n] = job.result()
+            except FileNotFoundError:
+                missing.append(n)
+    except BaseException as err:
+        stop.set()  # the other transfers end at their next piece; Ctrl-C does not wait even for that
+        pool.shutdown(wait=isinstance(err, Exception), cancel_futures=True)
+        raise
+    pool.shutdown()
+    if missing:
         raise CheckpointError(
             f"{origin}/{missing[0]} is missing; {META} lists it ({files[missing[0]]['size']} bytes): the "
             f"checkpoint was changed after its commit ({len(missing)} missing of the {len(names)} files fetched); "
             "load an earlier checkpoint"
-        ) from None
+        )
+    return digests
+
+
+def _download_one(fs: Any, path: str, local: Path, size: int, shown: str, stop: threading.Event) -> str:
+    """The object at ``path`` into the new file ``local``: at most ``size + 1`` bytes read (one
+    more than ``meta.json`` lists, to see an object that grew), each piece hashed and written on
+    a second thread while the next one arrives; its SHA-256 (nothing once ``stop`` is set: another
+    download failed)."""
+    done = 0
+    with (
+        _streamed(fs, path) as read,
+        open(local, "xb") as f,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash") as pool,
+    ):
+        out = HashingWriter(f)
+        written: Future[int] | None = None
+        while done <= size:
+            chunk = read(min(_DOWNLOAD_CHUNK, size + 1 - done))
+            if not chunk:
+                break
+            if stop.is_set():
+                return ""
+            if written is not None:
+                written.result()
+            written = pool.submit(out.write, chunk)
+            done += len(chunk)
+        if written is not None:
+            written.result()
+        digest = out.hexdigest()
+    if done != size:
+        raise wrong_size(shown, done if done < size else int(fs.size(path)), size)
+    return digest
+
+
+@contextlib.contextmanager
+def _streamed(fs: Any, path: str) -> Iterator[Callable[[int], bytes]]:
+    """``read(n)`` of the object at ``path``, from its start: one request streamed through fsspec's
+    ``open_async`` where the backend has it (``s3fs``: one GET, as its ``get`` makes), else its
+    file object (``memory://``, or a backend reading by ranges)."""
+    if getattr(fs, "async_impl", False):
+        from fsspec.asyn import sync
+
+        try:
+            stream = sync(fs.loop, fs.open_async, path, "rb")
+        except NotImplementedError:
+            stream = None
+        if stream is not None:
+            yield lambda n: sync(fs.loop, stream.read, n)
+            return
+    with fs.open(path, "rb") as f:
+        yield f.read
 
 
 def remote_origin(path: str | os.PathLike[str]) -> str | None:

@@ -60,10 +60,14 @@ def for_safetensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return out, {ALIASES_KEY: json.dumps(aliases)}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
-    """Write ``tensors`` (ready for safetensors) to ``path``, fsynced; returns the file's SHA-256."""
+def write_safetensors(
+    path: Path, fsync: bool, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> str:
+    """Write ``tensors`` (ready for safetensors) to ``path`` (fsynced with ``fsync``); returns the file's SHA-256."""
     safetensors.torch.save_file(tensors, str(path), metadata=metadata)  # straight from tensor memory
     files.follow_umask(path)
+    if not fsync:
+        return sha256_file(path)
     # The hash reads the file back from the page cache while the disk flushes it: no extra copy.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-fsync") as pool:
         flushed = pool.submit(files.durable, path)
