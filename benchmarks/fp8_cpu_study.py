@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -36,13 +37,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import print_table
-from gpu_fp8 import structured_tokens
+from gpu_fp8 import delay, precisions, structured_tokens
 from gpu_transformer import Config, Transformer, loss_of
 
 import torchrig
-
-#: Smoothing window (steps) of the curves the delay is read on.
-WINDOW = 10
 
 
 def _filters() -> dict[str, Callable[[nn.Module, str], bool] | None]:
@@ -55,15 +53,15 @@ def _filters() -> dict[str, Callable[[nn.Module, str], bool] | None]:
 
 
 def variants() -> dict[str, Any]:
-    """A name -> the ``precision=`` argument. fp8 names: ``<recipe>[:<layers>]``."""
-    from torchao.float8 import Float8LinearConfig
-
+    """A name -> the ``precision=`` argument. fp8 names: ``<recipe>[:<layers>]``, the recipes those
+    of ``gpu_fp8.precisions`` (emulated)."""
     out: dict[str, Any] = {"bf16": "bf16-mixed", "32-true": "32-true"}
-    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    for recipe, (_, precision) in precisions(emulate=True).items():
+        if recipe in ("bf16", "tensorwise-exact"):  # emulated, the matmul's accumulation is exact anyway
+            continue
         for layers, fn in _filters().items():
             name = recipe if layers == "default" else f"{recipe}:{layers}"
-            out[name] = torchrig.FP8Mixed(module_filter_fn=fn, config=config)
+            out[name] = dataclasses.replace(precision, module_filter_fn=fn)
     return out
 
 
@@ -86,23 +84,6 @@ def train(precision: Any, cfg: Config, batches: torch.Tensor, seed: int, lr: flo
     return torch.stack(losses).float().tolist()
 
 
-def smooth(curve: list[float]) -> list[float]:
-    return [statistics.fmean(curve[max(0, i - WINDOW + 1) : i + 1]) for i in range(len(curve))]
-
-
-def delay(base: list[float], other: list[float]) -> float:
-    """Steps ``other`` (smoothed) takes beyond ``base`` (smoothed) to reach ``base``'s loss 10 steps
-    before the end; negative when ``other`` is ahead. Linear between steps; ``inf`` if never."""
-    b, o = smooth(base), smooth(other)
-    at = len(b) - 1 - WINDOW
-    target = b[at]
-    for i in range(1, len(o)):
-        if o[i] <= target:
-            step = i - 1 + (o[i - 1] - target) / (o[i - 1] - o[i]) if o[i - 1] > target else float(i)
-            return step - at
-    return float("inf")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=256)
@@ -119,6 +100,7 @@ def main() -> None:
     parser.add_argument("--variants", default="bf16,32-true,tensorwise,rowwise,tensorwise:blocks")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--curves", default=None, help="write every loss curve to this JSON file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     hidden = args.hidden or round(args.dim * 2.75 / 16) * 16
@@ -149,6 +131,9 @@ def main() -> None:
                 f"({time.perf_counter() - start:.0f} s)",
                 flush=True,
             )
+    if args.curves:
+        with open(args.curves, "w") as f:
+            json.dump({"args": vars(args), "curves": curves}, f)
     body = []
     for name in names:
         last10, last50, delays = [], [], []

@@ -1,6 +1,7 @@
 """float8 against bf16 on one GPU, and the largest model of the family that trains there.
 
     python benchmarks/gpu_fp8.py                     # bf16-mixed vs fp8-mixed (tensorwise, rowwise), 200 steps
+    python benchmarks/gpu_fp8.py --total 320 --contenders bf16,tensorwise --budget 240
     python benchmarks/gpu_fp8.py --largest           # the largest model that trains (FSDP2, full AC)
     python benchmarks/gpu_fp8.py --smoke             # tiny, on the CPU (< 1 min): a check that it runs
     python benchmarks/gpu_fp8.py --largest --smoke
@@ -18,7 +19,13 @@ Tokens/s is the median over rounds; the ratio is the median of the per-round rat
 would sit at ln(vocab)): each token follows its predecessor through a fixed random permutation of
 the vocabulary, except a ``NOISE`` share drawn at random, so the loss falls from ~10.4 towards its
 floor (~3.2) and "the loss after 200 steps" says something. The loss compared is the mean over the
-last 10 steps (the same 10 batches for every contender) and the loss of the last step.
+last 10 steps and over the last 50 (the same batches for every contender), and the *delay*: how many
+steps later than the first contender a contender's loss curve (smoothed over 10 steps) reaches the
+first's loss 10 steps before the end (``delay``): while the loss still falls fast, a gap of a few
+percent at a fixed step can be a delay of a few steps. ``--contenders`` picks and orders them (keys
+of ``precisions()``); ``--budget SECONDS`` bounds part 1: no contender is built and no round begun
+past it (a round is not begun that would end past it), and the table shows what was taken, so a
+slow compilation costs rounds, not the table (``benchmarks/gpu_session.py`` runs it so).
 
 **Part 2** (``--largest``): models of the same family, widest first (``LARGE``), are tried one at a
 time, each in a child process (an out-of-memory error leaves nothing behind), with ``Rig(strategy=
@@ -87,14 +94,19 @@ def precisions(emulate: bool = False) -> dict[str, tuple[str, Any]]:
     """The contenders of part 1: a key (``--contenders``) -> (the name shown, the ``precision=``
     argument). ``emulate``: torchao's float8 emulated (``Float8LinearConfig(emulate=True)``)."""
     from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import Float8GemmConfig
 
     def recipe(name: str) -> Any:
         return dataclasses.replace(Float8LinearConfig.from_recipe_name(name), emulate=emulate)
 
+    # The forward's float8 matmul with exact accumulation (torchao's recipes use the GPU's fast,
+    # less precise one there): the one float8 numerics a CPU emulation cannot show.
+    exact = dataclasses.replace(recipe("tensorwise"), gemm_config_output=Float8GemmConfig(use_fast_accum=False))
     return {
         "bf16": ("bf16-mixed", "bf16-mixed"),
         "tensorwise": ("fp8-mixed, tensorwise", torchrig.FP8Mixed(config=recipe("tensorwise"))),
         "rowwise": ("fp8-mixed, rowwise", torchrig.FP8Mixed(config=recipe("rowwise"))),
+        "tensorwise-exact": ("fp8-mixed, tensorwise, exact fwd accum", torchrig.FP8Mixed(config=exact)),
     }
 
 

@@ -130,7 +130,8 @@ def _fp8(*args: str, timeout: float = 170) -> subprocess.CompletedProcess[str]:
 def test_part1_refuses_an_unknown_contender_and_skips_every_contender_past_its_budget() -> None:
     done = _fp8("--contenders", "bf16,fp4")
     assert done.returncode != 0
-    assert "--contenders 'bf16,fp4': a comma-separated choice of bf16, tensorwise, rowwise" in done.stderr
+    choice = "a comma-separated choice of bf16, tensorwise, rowwise, tensorwise-exact"
+    assert f"--contenders 'bf16,fp4': {choice}" in done.stderr
     done = _fp8("--contenders", "bf16,tensorwise", "--budget", "0")
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("32-true", "fp8-mixed, tensorwise"):
@@ -190,8 +191,12 @@ def test_session_smoke_runs_every_part_within_its_budget() -> None:
     for label in ("1B model, longer", "width 4096"):
         assert re.search(rf"^\[{label}\] exit code 0 after \d+ s \(budget 90 s\)$", out, re.M), out
     one_b = out[out.index("=== 1B model, longer") : out.index("=== width 4096")]
-    for name in ("32-true", "fp8-mixed, tensorwise", "fp8-mixed, rowwise"):
+    exact = "fp8-mixed, tensorwise, exact fwd accum"
+    for name in ("32-true", "fp8-mixed, tensorwise", "fp8-mixed, rowwise", exact):
         assert re.search(rf"^\| {name} \| [\d,]+ \| ", one_b, re.M), one_b
+    assert "--contenders bf16,tensorwise,rowwise,tensorwise-exact --total 6" in one_b
     wide = out[out.index("=== width 4096") :]
-    assert "| fp8-mixed, rowwise |" not in wide and re.search(r"^\| fp8-mixed, tensorwise \| [\d,]+ \| ", wide, re.M)
-    assert "--contenders bf16,tensorwise --dim 128 --heads 8" in wide
+    assert "| fp8-mixed, rowwise |" not in wide
+    for name in ("fp8-mixed, tensorwise", exact):
+        assert re.search(rf"^\| {name} \| [\d,]+ \| ", wide, re.M), wide
+    assert "--contenders bf16,tensorwise,tensorwise-exact --dim 128 --heads 8" in wide
