@@ -104,15 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     hidden = args.hidden or round(args.dim * 2.75 / 16) * 16
-    cfg = Config(
-        vocab=args.vocab,
-        dim=args.dim,
-        layers=args.layers,
-        heads=args.heads,
-        hidden=hidden,
-        seq=args.seq,
-        batch=args.batch,
-    )
+    cfg = Config(hidden=hidden, **{f: getattr(args, f) for f in ("vocab", "dim", "layers", "heads", "seq", "batch")})
     known = variants()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in known]

@@ -116,21 +116,25 @@ def smooth(curve: list[float], window: int = WINDOW) -> list[float]:
 
 
 def delay(base: list[float], other: list[float], window: int = WINDOW) -> float:
-    """How many steps later than ``base`` the curve ``other`` reaches the loss ``base`` had
+    """How many steps later than ``base`` the curve ``other`` first reaches the loss ``base`` had
     ``window`` steps before its end, both smoothed over ``window`` steps (linear between steps;
     negative: ``other`` is ahead; ``inf``: it never gets there). A gap in the loss at a fixed step
-    where the loss still falls steeply can be a delay of a few steps."""
+    where the loss still falls steeply can be a delay of a few steps; on a flat, noisy curve near
+    the loss floor the delay says little (the curve first dips to that loss long before)."""
+    if len(base) <= window:
+        raise ValueError(f"delay needs curves longer than the window ({window} steps); got {len(base)} steps")
     b, o = smooth(base, window), smooth(other, window)
-    at = len(b) - 1 - window
-    if at < 0:
-        raise ValueError(f"delay needs curves longer than the window ({window} steps); got {len(b)} steps")
-    target = b[at]
-    for i, value in enumerate(o):
-        if value <= target:
-            if i == 0 or o[i - 1] <= target:
-                return float(i - at)
-            return i - 1 + (o[i - 1] - target) / (o[i - 1] - value) - at
-    return float("inf")
+    target = b[len(b) - 1 - window]
+
+    def reach(curve: list[float]) -> float:
+        for i, value in enumerate(curve):
+            if value <= target:
+                if i == 0 or curve[i - 1] <= target:
+                    return float(i)
+                return i - 1 + (curve[i - 1] - target) / (curve[i - 1] - value)
+        return float("inf")
+
+    return reach(o) - reach(b)
 
 
 @dataclasses.dataclass
