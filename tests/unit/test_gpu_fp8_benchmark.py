@@ -3,6 +3,7 @@ something), its part-2 labels name the sizes they try, and ``--smoke`` runs both
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -200,3 +201,32 @@ def test_session_smoke_runs_every_part_within_its_budget() -> None:
     for name in ("fp8-mixed, tensorwise", exact):
         assert re.search(rf"^\| {name} \| [\d,]+ \| ", wide, re.M), wide
     assert "--contenders bf16,tensorwise,tensorwise-exact --dim 128 --heads 8" in wide
+
+
+def test_the_cpu_study_trains_bf16_against_emulated_float8_from_the_same_start(tmp_path: Path) -> None:
+    curves = tmp_path / "curves.json"
+    tiny = ["--dim", "32", "--layers", "1", "--heads", "2", "--vocab", "64", "--seq", "16", "--batch", "2"]
+    tiny += ["--steps", "12", "--seeds", "0", "--variants", "bf16,tensorwise:mlp", "--curves", str(curves)]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fp8_cpu_study.py"), "--markdown", *tiny],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "CPU, float8 EMULATED (torchao emulate=True): 1 blocks x width 32 (hidden 96, 2 heads)" in done.stdout
+    assert re.search(r"^\| bf16 \| [\d.]+ \| \+0\.00% \| \+0\.00% \| \+0\.0 \|$", done.stdout, re.M), done.stdout
+    assert re.search(r"^\| tensorwise:mlp \| [\d.]+ \| [+-]\d+\.\d+% \| [+-]\d+\.\d+% \| ", done.stdout, re.M)
+    saved = json.loads(curves.read_text())["curves"]
+    assert len(saved["bf16"][0]) == len(saved["tensorwise:mlp"][0]) == 12
+    assert saved["bf16"][0][0] == pytest.approx(saved["tensorwise:mlp"][0][0], rel=0.01)  # the same start
+    assert saved["bf16"][0] != saved["tensorwise:mlp"][0]  # float8 rounding changed the trajectory
+    bad = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fp8_cpu_study.py"), "--variants", "tensorwise"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2 and "--variants must start with bf16 and name only bf16, 32-true" in bad.stderr
