@@ -1,6 +1,7 @@
 """float8 against bf16 on one GPU, and the largest model of the family that trains there.
 
     python benchmarks/gpu_fp8.py                     # bf16-mixed vs fp8-mixed (tensorwise, rowwise), 200 steps
+    python benchmarks/gpu_fp8.py --total 320 --contenders bf16,tensorwise --budget 240
     python benchmarks/gpu_fp8.py --largest           # the largest model that trains (FSDP2, full AC)
     python benchmarks/gpu_fp8.py --smoke             # tiny, on the CPU (< 1 min): a check that it runs
     python benchmarks/gpu_fp8.py --largest --smoke
@@ -18,7 +19,13 @@ Tokens/s is the median over rounds; the ratio is the median of the per-round rat
 would sit at ln(vocab)): each token follows its predecessor through a fixed random permutation of
 the vocabulary, except a ``NOISE`` share drawn at random, so the loss falls from ~10.4 towards its
 floor (~3.2) and "the loss after 200 steps" says something. The loss compared is the mean over the
-last 10 steps (the same 10 batches for every contender) and the loss of the last step.
+last 10 steps and over the last 50 (the same batches for every contender), and the *delay*: how many
+steps later than the first contender a contender's loss curve (smoothed over 10 steps) reaches the
+first's loss 10 steps before the end (``delay``): while the loss still falls fast, a gap of a few
+percent at a fixed step can be a delay of a few steps. ``--contenders`` picks and orders them (keys
+of ``precisions()``); ``--budget SECONDS`` bounds part 1: no contender is built and no round begun
+past it (a round is not begun that would end past it), and the table shows what was taken, so a
+slow compilation costs rounds, not the table (``benchmarks/gpu_session.py`` runs it so).
 
 **Part 2** (``--largest``): models of the same family, widest first (``LARGE``), are tried one at a
 time, each in a child process (an out-of-memory error leaves nothing behind), with ``Rig(strategy=
@@ -55,6 +62,8 @@ from torchrig.trainer.throughput import device_peak_flops
 
 #: The share of tokens drawn at random instead of from the permutation (sets the loss floor).
 NOISE = 0.25
+#: Steps the loss curves are smoothed over to compare them (the mean of the last 10 steps, the delay).
+WINDOW = 10
 #: Part 2's candidates, largest first: (name, config). 16 bytes a parameter stay on the GPU
 #: (fp32 weights, gradients, AdamW's two moments): 134 GB at 8.4B, 108 GB at 6.7B.
 LARGE = [
@@ -81,15 +90,51 @@ def structured_tokens(cfg: Config, sequences: int, seed: int = 0) -> torch.Tenso
     return rows
 
 
-def precisions() -> dict[str, Any]:
-    """The contenders of part 1: a name -> the ``precision=`` argument."""
+def precisions(emulate: bool = False) -> dict[str, tuple[str, Any]]:
+    """The contenders of part 1: a key (``--contenders``) -> (the name shown, the ``precision=``
+    argument). ``emulate``: torchao's float8 emulated (``Float8LinearConfig(emulate=True)``)."""
     from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import Float8GemmConfig
 
+    def recipe(name: str) -> Any:
+        return dataclasses.replace(Float8LinearConfig.from_recipe_name(name), emulate=emulate)
+
+    # The forward's float8 matmul with exact accumulation (torchao's recipes use the GPU's fast,
+    # less precise one there): the one float8 numerics a CPU emulation cannot show.
+    exact = dataclasses.replace(recipe("tensorwise"), gemm_config_output=Float8GemmConfig(use_fast_accum=False))
     return {
-        "bf16-mixed": "bf16-mixed",
-        "fp8-mixed, tensorwise": torchrig.FP8Mixed(),
-        "fp8-mixed, rowwise": torchrig.FP8Mixed(config=Float8LinearConfig.from_recipe_name("rowwise")),
+        "bf16": ("bf16-mixed", "bf16-mixed"),
+        "tensorwise": ("fp8-mixed, tensorwise", torchrig.FP8Mixed(config=recipe("tensorwise"))),
+        "rowwise": ("fp8-mixed, rowwise", torchrig.FP8Mixed(config=recipe("rowwise"))),
+        "tensorwise-exact": ("fp8-mixed, tensorwise, exact fwd accum", torchrig.FP8Mixed(config=exact)),
     }
+
+
+def smooth(curve: list[float], window: int = WINDOW) -> list[float]:
+    """The running mean of ``curve`` over the last ``window`` steps (fewer at the start)."""
+    return [statistics.fmean(curve[max(0, i - window + 1) : i + 1]) for i in range(len(curve))]
+
+
+def delay(base: list[float], other: list[float], window: int = WINDOW) -> float:
+    """How many steps later than ``base`` the curve ``other`` first reaches the loss ``base`` had
+    ``window`` steps before its end, both smoothed over ``window`` steps (linear between steps;
+    negative: ``other`` is ahead; ``inf``: it never gets there). A gap in the loss at a fixed step
+    where the loss still falls steeply can be a delay of a few steps; on a flat, noisy curve near
+    the loss floor the delay says little (the curve first dips to that loss long before)."""
+    if len(base) <= window:
+        raise ValueError(f"delay needs curves longer than the window ({window} steps); got {len(base)} steps")
+    b, o = smooth(base, window), smooth(other, window)
+    target = b[len(b) - 1 - window]
+
+    def reach(curve: list[float]) -> float:
+        for i, value in enumerate(curve):
+            if value <= target:
+                if i == 0 or curve[i - 1] <= target:
+                    return float(i)
+                return i - 1 + (curve[i - 1] - target) / (curve[i - 1] - value)
+        return float("inf")
+
+    return reach(o) - reach(b)
 
 
 @dataclasses.dataclass
@@ -139,17 +184,47 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def take_turns(
+    contenders: list[Contender],
+    rounds: int,
+    per_round: int,
+    deadline: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[dict[str, list[float]], int]:
+    """Up to ``rounds`` rounds of ``per_round`` steps of every contender (the order rotating each
+    round); no round begins that would end past ``deadline`` (on ``clock``) if it took as long as
+    the last one. Returns each contender's seconds per round and the number of rounds taken."""
+    seconds: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for r in range(rounds):
+        last = sum(s[-1] for s in seconds.values()) if r else 0.0
+        if clock() + last > deadline:
+            return seconds, r
+        for c in contenders[r % len(contenders) :] + contenders[: r % len(contenders)]:
+            seconds[c.name].append(c.run(per_round))
+    return seconds, rounds
+
+
 def part1(args: argparse.Namespace, cfg: Config, device: torch.device) -> None:
     total, warmup, per_round = args.total, args.warmup, args.steps
     rounds = (total - warmup) // per_round
     if rounds < 1 or warmup + rounds * per_round != total:
         raise SystemExit(f"--total {total} must be --warmup {warmup} + a whole number of rounds of --steps {per_round}")
+    known = precisions()
+    keys = args.contenders.split(",")
+    if any(k not in known for k in keys) or len(set(keys)) != len(keys):
+        raise SystemExit(f"--contenders {args.contenders!r}: a comma-separated choice of {', '.join(known)}")
+    deadline = float("inf") if args.budget is None else time.perf_counter() + args.budget
     batches = structured_tokens(cfg, total * cfg.batch).view(total, cfg.batch, cfg.seq + 1)
     contenders: list[Contender] = []
     failed: dict[str, str] = {}
-    for name, precision in precisions().items():
-        if args.smoke and name == "bf16-mixed":  # the CPU: bf16 autocast is slower than fp32 on most CPUs
+    for key in keys:
+        name, precision = known[key]
+        if args.smoke and key == "bf16":  # the CPU: bf16 autocast is slower than fp32 on most CPUs
             name = precision = "32-true"
+        if time.perf_counter() >= deadline:
+            failed[name] = f"skipped: the --budget of {args.budget:.0f} s was spent before its warm-up"
+            print(f"{name}: {failed[name]}", flush=True)
+            continue
         try:
             contender = make_contender(name, precision, cfg, batches, device, args.compile, not args.single)
             start = time.perf_counter()
@@ -159,16 +234,17 @@ def part1(args: argparse.Namespace, cfg: Config, device: torch.device) -> None:
         except Exception as err:  # one contender failing must not lose the others' numbers
             traceback.print_exc()
             failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    seconds: dict[str, list[float]] = {c.name: [] for c in contenders}
-    for r in range(rounds):
-        order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
-        for c in order:
-            seconds[c.name].append(c.run(per_round))
+    seconds, done = take_turns(contenders, rounds, per_round, deadline)
+    if done < rounds:
+        print(f"budget: --budget {args.budget:.0f} s reached: {done} of {rounds} rounds taken", flush=True)
+    if contenders and done == 0:
+        contenders, failed = [], {**failed, **{c.name: "no round within the --budget" for c in contenders}}
     tokens = cfg.batch * cfg.seq * per_round
     flops = flops_per_step(cfg)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = device_peak_flops(name)
     base = seconds.get(contenders[0].name) if contenders else None
+    base_curve = torch.stack(contenders[0].losses).float().cpu().tolist() if contenders else []
     body = []
     for c in contenders:
         times = seconds[c.name]
@@ -177,43 +253,39 @@ def part1(args: argparse.Namespace, cfg: Config, device: torch.device) -> None:
         interval = median_interval(ratios)
         if interval is not None and c is not contenders[0]:
             ratio += f" ({interval[0]:.3f}-{interval[1]:.3f})"
-        losses = torch.stack(c.losses).float().cpu()
-        last10, last = losses[-10:].mean().item(), losses[-1].item()
-        base_losses = torch.stack(contenders[0].losses).float().cpu()
-        rel = last10 / base_losses[-10:].mean().item() - 1
+        curve = torch.stack(c.losses).float().cpu().tolist()
         mfu = "n/a" if peak is None else f"{statistics.median(flops * per_round / t for t in times) / peak:.1%}"
+        columns = []
+        for n in (WINDOW, 5 * WINDOW):
+            mean = statistics.fmean(curve[-n:])
+            columns.append(f"{mean:.4f} ({mean / statistics.fmean(base_curve[-n:]) - 1:+.2%})")
         body.append(
             [
                 c.name,
                 f"{statistics.median(tokens / t for t in times):,.0f}",
                 ratio,
                 mfu,
-                f"{losses[0].item():.3f}",
-                f"{last10:.4f} ({rel:+.2%})",
-                f"{last:.4f}",
+                f"{curve[0]:.3f}",
+                *columns,
+                f"{delay(base_curve, curve):+.1f}" if len(curve) > WINDOW else "n/a",
             ]
         )
     for name_, why in failed.items():
-        body.append([name_, "failed", why[:80], "", "", "", ""])
+        body.append([name_, "failed", why[:80], "", "", "", "", ""])
     with torch.device("meta"):
         params = sum(p.numel() for p in Transformer(cfg).parameters())
+    steps = warmup + done * per_round
     title = (
         f"{'SMOKE (a check, not a measurement): ' if args.smoke else ''}{cfg.layers}-block Llama-style model, "
         f"{params / 1e6:,.1f}M parameters, seq {cfg.seq}, {cfg.batch} seq/step, 1 x {name}, "
-        f"{'single' if args.single else 'fsdp'}, compile={args.compile}; {total} steps each ({warmup} warm-up, then "
-        f"{rounds} rounds of {per_round} taking turns); loss: mean of the last 10 steps (vs the first row)"
+        f"{'single' if args.single else 'fsdp'}, compile={args.compile}; {steps} steps each ({warmup} warm-up, then "
+        f"{done} rounds of {per_round} taking turns); loss: mean of the last 10 and 50 steps (vs the first row); "
+        "delay: steps behind the first row's smoothed loss curve at its end"
     )
+    first = contenders[0].name if contenders else "-"
     print_table(
         title,
-        [
-            "precision",
-            "tokens/s",
-            "vs " + (contenders[0].name if contenders else "-"),
-            "MFU",
-            "first loss",
-            "loss, last 10 steps",
-            "last loss",
-        ],
+        ["precision", "tokens/s", f"vs {first}", "MFU", "first loss", "loss, last 10", "loss, last 50", "delay"],
         body,
         markdown=args.markdown,
     )
@@ -343,6 +415,12 @@ def main() -> None:
     parser.add_argument("--large-steps", type=int, default=None, help="part 2: timed steps (default 5; smoke 2)")
     parser.add_argument("--large-compile", default=None, help="part 2: compile= (default regional; smoke None)")
     parser.add_argument("--child-timeout", type=float, default=300, help="part 2: seconds per candidate")
+    parser.add_argument(
+        "--contenders", default="bf16,tensorwise,rowwise", help="part 1: which, in order (the first is the baseline)"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=None, help="part 1: seconds; no contender starts and no round begins past it"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     for field in ("dim", "layers", "heads", "hidden", "batch"):
         parser.add_argument(f"--{field}", type=int, default=None, help=f"part 1: the model's {field} (Config)")
