@@ -163,24 +163,22 @@ def test_a_loaded_position_is_saved_again_as_given_until_the_next_epoch_starts()
     assert handed_on.state_dict()["samples_seen"] == 40
 
 
-class _Numbers(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
-    """0..39 with no position of its own (resumed by replaying its epoch); ``shard_for_rank`` gives
-    rank r of R every R-th number from r."""
-
-    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
-        self.rank, self.world_size = rank, world_size
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(range(self.rank, 40, self.world_size))
-
-    def shard_for_rank(self, rank: int, world_size: int) -> _Numbers:
-        return _Numbers(rank, world_size)
-
 
 def _stream_loader(rank: int = 0, shares: int = 1) -> RigDataLoader:
-    """Rank ``rank``'s loader of the stream split into ``shares`` (1: read whole), as ``prepare``
-    makes it on a rank of a run with that many data-parallel processes."""
-    return RigDataLoader(DataLoader(_Numbers(rank, shares), batch_size=4), device=CPU, shares=shares)
+    """Rank ``rank``'s loader of a Hugging Face stream shuffled with a buffer (resumed by replaying
+    its epoch) split into ``shares`` (1: read whole), as ``prepare`` makes it on a rank of a run
+    with that many data-parallel processes."""
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    stream = Dataset.from_dict({"id": list(range(40))}).to_iterable_dataset(num_shards=4).shuffle(seed=3, buffer_size=6)
+    if shares > 1:
+        stream = split_dataset_by_node(stream, rank=rank, world_size=shares)
+    return RigDataLoader(DataLoader(stream, batch_size=4), device=CPU, shares=shares)
+
+
+def _stream_ids(loader: RigDataLoader) -> list[list[int]]:
+    return [batch["id"].tolist() for batch in loader]
 
 
 def _replayed_stream_state(shares: int) -> dict[str, Any]:
@@ -192,8 +190,8 @@ def _replayed_stream_state(shares: int) -> dict[str, Any]:
 
 
 def test_a_replayed_stream_split_across_processes_is_refused_under_another_number() -> None:
-    # Rank 0 of 2 read 0, 2, 4, ... 22 (3 batches); replayed on 1 process it would skip 0..11
-    # and give 12.., not the 24.. the uninterrupted 2-process run gives next: refused, as a
+    # Rank 0 of 2 read 3 batches of its share; replayed on 1 process the next batches would be
+    # the whole stream's after its first 3, not the uninterrupted 2-process run's: refused, as a
     # stream with a position is, and the loader keeps its own position.
     state = _replayed_stream_state(shares=2)
     assert state["num_replicas"] == 2
@@ -201,33 +199,27 @@ def test_a_replayed_stream_split_across_processes_is_refused_under_another_numbe
     with pytest.raises(ValueError) as err:
         loader.load_state_dict(state)
     assert str(err.value) == (
-        "the checkpoint's _Numbers stream was saved by 2 processes, each at its own position in its share of the "
-        "stream; this run has 1. Resume it with 2 processes: a position in one share of a stream does not say "
-        "where another number of shares would be"
+        "the checkpoint's IterableDataset stream was saved by 2 processes, each at its own position in its share "
+        "of the stream; this run has 1. Resume it with 2 processes: a position in one share of a stream does not "
+        "say where another number of shares would be"
     )
     assert loader.state_dict()["epoch"] == -1  # (nothing was taken from the refused state)
-    assert _ids_of(loader) == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    assert _stream_ids(loader) == _stream_ids(_stream_loader())
     with pytest.raises(ValueError, match=r"saved by 2 processes.*this run has 4\. Resume it with 2 processes"):
         _stream_loader(1, shares=4).load_state_dict(state)
 
 
-def test_a_replayed_stream_resumes_under_the_number_it_was_split_for() -> None:
-    resumed = _stream_loader(0, shares=2)
-    with pytest.warns(UserWarning, match="reads the 3 batches"):
-        resumed.load_state_dict(_replayed_stream_state(shares=2))
-        batches = _ids_of(resumed)
-    assert batches == [list(range(i, i + 8, 2)) for i in range(24, 40, 8)]
-
-
-def test_a_stream_each_process_reads_whole_resumes_under_any_number_of_processes() -> None:
-    # Every process reads the whole stream: the 3 batches of one are those of any, and so are the next.
-    state = _replayed_stream_state(shares=1)
-    assert "num_replicas" not in state
-    resumed = _stream_loader()
+@pytest.mark.parametrize("shares", [2, 1], ids=["split", "read_whole"])
+def test_a_replayed_stream_resumes_under_its_split_and_one_read_whole_under_any_number(shares: int) -> None:
+    # Split: under as many processes as saved it. Read whole by every process: the 3 batches of
+    # one are those of any, and so are the next, so it saves no count and resumes anywhere.
+    state = _replayed_stream_state(shares)
+    assert state.get("num_replicas") == (shares if shares > 1 else None)
+    resumed = _stream_loader(0, shares)
     with pytest.warns(UserWarning, match="reads the 3 batches"):
         resumed.load_state_dict(state)
-        batches = _ids_of(resumed)
-    assert batches == [list(range(i, i + 4)) for i in range(12, 40, 4)]
+        batches = _stream_ids(resumed)
+    assert batches == _stream_ids(_stream_loader(0, shares))[3:]
 
 
 def test_a_replayed_stream_position_saved_before_its_split_was_recorded_still_resumes() -> None:
@@ -237,10 +229,6 @@ def test_a_replayed_stream_position_saved_before_its_split_was_recorded_still_re
     resumed = _stream_loader(0, shares=2)
     with pytest.warns(UserWarning, match="reads the 3 batches"):
         resumed.load_state_dict(state)
-        batches = _ids_of(resumed)
-    assert batches == [list(range(i, i + 8, 2)) for i in range(24, 40, 8)]
+        batches = _stream_ids(resumed)
+    assert batches == _stream_ids(_stream_loader(0, shares=2))[3:]
     assert resumed.state_dict()["num_replicas"] == 2  # saved from now on
-
-
-def _ids_of(loader: RigDataLoader) -> list[list[int]]:
-    return [batch.tolist() for batch in loader]

@@ -217,7 +217,7 @@ class RigDataLoader:
             loaded = position or {}
             # An epoch read to its end has nothing left, whatever a stream would give if read again
             # (a loader with a length resumes at its next epoch: nothing to skip there).
-            own = loaded.get("loader_state") or [None]  # (refused from another number of processes: one value)
+            own = loaded.get("loader_state") or [None]  # (this rank's chunk: its own value, as the count matched)
             it = iter(()) if loaded.get("ended") else self._resumed_epoch(skip, own[0])
         else:
             generator = self.loader.generator
@@ -362,9 +362,11 @@ class RigDataLoader:
         of the epoch's global order that all ranks together consumed (``len(dataset)`` once the
         epoch is over), with the ``num_replicas`` and ``batch_size`` it ran with, so a run with
         another number of processes or batch size resumes at the same place in the data. A
-        stream in a StatefulDataLoader records ``loader_state``, each rank's position in it.
+        stream in a StatefulDataLoader records ``loader_state``, each rank's position in it; a
+        stream split across processes records ``num_replicas``, its number of shares.
         Between ``load_state_dict`` and the next ``iter()`` it is the state loaded, as given
-        (each rank's ``epoch_rng`` only when saved by as many processes as this run has).
+        (every rank's ``epoch_rng``, also from another number of processes: each rank keeps its
+        chunk of the list, and the chunks joined in rank order are the list loaded).
         """
         local = self._position
         if local is None:  # the progress says it: the batches given out, a stream's own state
@@ -412,7 +414,10 @@ class RigDataLoader:
         A position saved by a different number of processes or batch size is converted through
         the global sample position; when it falls inside one of this loader's global batches,
         the resume starts at that batch and warns how many samples are seen again. A stream's
-        position saved by another number of processes is refused (ValueError), and changes nothing.
+        position saved by another number of processes is refused (ValueError), and changes nothing:
+        a stream with a position, and one replayed that is split across processes (one each
+        process reads whole resumes under any number). Each rank's ``epoch_rng`` is used only when
+        saved by as many processes as this run has.
         """
         epoch, seen = int(state["epoch"]), int(state["batches_seen"])
         rank, world = (0, 1) if self.strategy is None else (self.strategy.global_rank, self.strategy.world_size)
