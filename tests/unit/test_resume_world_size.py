@@ -207,14 +207,18 @@ def test_a_replayed_stream_split_across_processes_is_refused_under_another_numbe
     assert _stream_ids(loader) == _stream_ids(_stream_loader())
     with pytest.raises(ValueError, match=r"saved by 2 processes.*this run has 4\. Resume it with 2 processes"):
         _stream_loader(1, shares=4).load_state_dict(state)
+    # One process read the stream whole: each of 2 replaying 3 batches of its half would skip others.
+    with pytest.raises(ValueError, match=r"saved by 1 process, .*this run has 2\. Resume it with 1 process:"):
+        _stream_loader(0, shares=2).load_state_dict(_replayed_stream_state(shares=1))
 
 
 @pytest.mark.parametrize("shares", [2, 1], ids=["split", "read_whole"])
 def test_a_replayed_stream_resumes_under_its_split_and_one_read_whole_under_any_number(shares: int) -> None:
-    # Split: under as many processes as saved it. Read whole by every process: the 3 batches of
-    # one are those of any, and so are the next, so it saves no count and resumes anywhere.
+    # Split: under as many processes as saved it. Read whole by every process (1 share): the 3
+    # batches of one are those of any, and so are the next, so it resumes under any number of
+    # processes that read it whole (each here as rank 0 of its run: the same loader).
     state = _replayed_stream_state(shares)
-    assert state.get("num_replicas") == (shares if shares > 1 else None)
+    assert state["num_replicas"] == shares
     resumed = _stream_loader(0, shares)
     with pytest.warns(UserWarning, match="reads the 3 batches"):
         resumed.load_state_dict(state)

@@ -148,9 +148,9 @@ class RigDataLoader:
         self.loader = loader
         self.strategy = strategy
         #: How many shares a stream (an ``IterableDataset``) is split into, one per data-parallel
-        #: process; 1: each process reads it whole. Saved (as ``num_replicas``) when above 1: a
-        #: position inside one share does not resume another split.
-        self.shares = shares
+        #: process; 1: each process reads it whole; None: not a stream. Saved (as ``num_replicas``):
+        #: a position inside one share does not resume another split.
+        self.shares = shares if isinstance(loader.dataset, IterableDataset) else None
         self.device = device
         self.seed = seed
         self.epoch = -1
@@ -394,7 +394,7 @@ class RigDataLoader:
             state["epoch_rng"] = [self._epoch_rng]
         if loader_state is not None:
             state["loader_state"] = [loader_state]
-        if self.shares > 1 and isinstance(self.loader.dataset, IterableDataset):
+        if self.shares is not None:
             state["num_replicas"] = self.shares
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
@@ -444,19 +444,21 @@ class RigDataLoader:
     def _check_split(self, state: dict[str, Any], world: int) -> None:
         """ValueError when ``state`` holds a stream's position in another split of the stream than
         this run's: each rank's own position (``loader_state``) from another number of processes, or
-        a replayed stream split into another number of shares (``num_replicas``; a stream each
-        process reads whole, and a checkpoint from before it was saved, resume on any number)."""
-        if not isinstance(self.loader.dataset, IterableDataset):
+        a replayed stream split into another number of shares (``num_replicas``: 1 for a stream
+        each process reads whole, which so resumes under any number of processes that read it
+        whole; a checkpoint from before it was saved is not checked)."""
+        if self.shares is None:
             return  # (a map-style loader's ``num_replicas`` is converted through the global sample position)
         positions = state.get("loader_state")
         saved, now = state.get("num_replicas", self.shares), self.shares
         if positions is not None and is_stateful_loader(self.loader) and len(positions) != world:
             saved, now = len(positions), world
         if saved != now:
+            processes = f"{saved} process{'es' if saved != 1 else ''}"
             raise ValueError(
-                f"the checkpoint's {type(self.loader.dataset).__name__} stream was saved by {saved} processes, "
-                f"each at its own position in its share of the stream; this run has {now}. Resume it with {saved} "
-                "processes: a position in one share of a stream does not say where another number of shares would be"
+                f"the checkpoint's {type(self.loader.dataset).__name__} stream was saved by {processes}, each at "
+                f"its own position in its share of the stream; this run has {now}. Resume it with {processes}: "
+                "a position in one share of a stream does not say where another number of shares would be"
             )
 
     def _batches_for(self, state: dict[str, Any], epoch: int, sampler: ResumableSampler) -> tuple[int, int]:
