@@ -153,14 +153,16 @@ class Preparing:
             raise TypeError(f"setup_dataloader() takes a torch.utils.data.DataLoader; got {type(loader).__name__}")
         if not isinstance(use_distributed_sampler, bool):
             raise TypeError(f"use_distributed_sampler={use_distributed_sampler!r} must be True or False")
-        if not use_distributed_sampler:
-            return RigDataLoader(loader, device=self.device, on_batch=self._batch_from, strategy=self.strategy)
+        replicas, rank = self.strategy.data_parallel_size, self.strategy.data_parallel_rank
+        if not use_distributed_sampler:  # (a stream here is taken to be split already: one share a process)
+            return RigDataLoader(
+                loader, device=self.device, on_batch=self._batch_from, strategy=self.strategy, shares=replicas
+            )
         # The shuffle seed comes from torch's RNG (so seed_everything fixes it) and rank 0 decides;
         # a loader that does not shuffle takes no draw (the run's RNG stream is the hand-written loop's).
         shuffles = isinstance(loader.sampler, RandomSampler)
         seed = self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item())) if shuffles else 0
         pin = self.device.type not in ("cpu", "mps")
-        replicas, rank = self.strategy.data_parallel_size, self.strategy.data_parallel_rank
         rebuilt = rebuild_with_sampler(loader, seed=seed, num_replicas=replicas, rank=rank, pin_memory=pin)
         if rebuilt is None:
             kw = loader_kwargs(loader)
@@ -177,6 +179,7 @@ class Preparing:
             seed=seed,
             on_batch=self._batch_from,
             strategy=self.strategy,
+            shares=replicas if stream and sharded else 1,  # (each process reads an unsplit stream whole)
         )
         return wrapped
 

@@ -1,6 +1,8 @@
 """A Hugging Face stream under 2 gloo processes: each rank reads its own share (disjoint, together
 the whole stream), and a fit stopped and resumed twice inside the epoch equals the uninterrupted one;
-one shuffled with a buffer (whose state does not hold it) resumes exactly too, by replaying."""
+one shuffled with a buffer (whose state does not hold it) resumes exactly too, by replaying. A
+replayed stream's position saved by 2 processes resumes under 1 only when each process read the
+stream whole; and a position from 4 processes loaded and saved again by 2 keeps every rank's part."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import IterableDataset
 from trainer_helpers import HERE, run_child, subprocess_env
+
+import torchrig
 
 SCRIPT = r"""
 import json, os, sys
@@ -137,3 +142,95 @@ def test_a_stream_shuffled_with_a_buffer_on_two_processes_resumes_exactly_by_rep
     done = run_child(tmp_path, BUFFERED, timeout=55)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "result: ok 20 batches a rank" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+class Numbers(IterableDataset):  # type: ignore[type-arg]
+    """0..39, no position of its own (a resume replays its epoch); rank r of R reads every R-th from r."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(self.rank, 40, self.world_size))
+
+    def shard_for_rank(self, rank: int, world_size: int) -> Numbers:
+        return Numbers(rank, world_size)
+
+
+class Whole(IterableDataset):  # type: ignore[type-arg]
+    """0..39, no position, no split: every process reads it whole."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(40))
+
+
+SAVED_BY_TWO = r"""
+import sys, warnings
+from pathlib import Path
+import torch
+from torch.utils.data import DataLoader
+import torchrig
+from test_data_resume_ddp import Numbers, Whole
+
+
+def after_three(loader):
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    return loader.state_dict()
+
+
+def run(rig):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (prepare's warning that each process reads Whole whole)
+        split = after_three(rig.prepare(DataLoader(Numbers(), batch_size=4)))
+        whole = after_three(rig.prepare(DataLoader(Whole(), batch_size=4)))
+        # A position saved by 4 processes (each rank's epoch RNG state its own), loaded here by 2
+        # and saved again before a batch: all 4 ranks' states, as given.
+        rngs = []
+        for rank in range(4):
+            torch.manual_seed(rank)
+            rngs.append({"torch": torch.get_rng_state(), "generator": None})
+        four = dict(whole, epoch_rng=rngs)
+        loader = rig.prepare(DataLoader(Whole(), batch_size=4))
+        loader.load_state_dict(four)
+        again = loader.state_dict()
+    kept = [rank for rank, rng in enumerate(again.pop("epoch_rng")) if torch.equal(rng["torch"], rngs[rank]["torch"])]
+    assert again == {key: value for key, value in whole.items() if key != "epoch_rng"}, again
+    if rig.global_rank == 0:
+        torch.save({"split": split, "whole": whole}, Path(sys.argv[1]) / "states.pt")
+    return kept
+
+
+if __name__ == "__main__":
+    print("result:", torchrig.Rig(accelerator="cpu", devices=2, strategy="ddp_notebook").launch(run), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.distributed
+def test_a_replayed_stream_saved_by_two_processes_resumes_on_one_only_when_it_was_not_split(tmp_path: Path) -> None:
+    # 2 gloo processes read 3 batches of a stream split across them (shard_for_rank) and of one
+    # each reads whole, and save both positions; each rank saves a 4-process position again as given.
+    done = run_child(tmp_path, SAVED_BY_TWO, str(tmp_path), timeout=55)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "result: [0, 1, 2, 3]" in done.stdout, done.stdout + done.stderr[-3000:]
+    states = torch.load(tmp_path / "states.pt")
+    rig = torchrig.Rig(accelerator="cpu", devices=1)
+    # Rank 0 of 2 read 0, 2, ... 22: replayed on 1 process the next batch would be 12..15, not the
+    # 24, 26, ... (and rank 1's 25, 27, ...) of the uninterrupted 2-process run: refused.
+    assert states["split"]["num_replicas"] == 2
+    with pytest.raises(ValueError) as err:
+        rig.prepare(torch.utils.data.DataLoader(Numbers(), batch_size=4)).load_state_dict(states["split"])
+    assert str(err.value) == (
+        "the checkpoint's Numbers stream was saved by 2 processes, each at its own position in its share of the "
+        "stream; this run has 1. Resume it with 2 processes: a position in one share of a stream does not say "
+        "where another number of shares would be"
+    )
+    # Every process read the whole stream: one process resumes it where each of the two was.
+    assert states["whole"]["num_replicas"] == 1
+    resumed = rig.prepare(torch.utils.data.DataLoader(Whole(), batch_size=4))
+    resumed.load_state_dict(states["whole"])
+    with pytest.warns(UserWarning, match="reads the 3 batches it already trained on again"):
+        batches = [batch.tolist() for batch in resumed]
+    assert batches == [list(range(i, i + 4)) for i in range(12, 40, 4)]

@@ -182,6 +182,28 @@ def test_a_state_loaded_is_saved_again_as_loaded_until_a_batch_is_consumed(kind:
         assert loader.state_dict()["batches_seen"] == 6  # consumed: the position is now the loader's own
 
 
+@pytest.mark.parametrize("kind", ["shuffled", "plain_stream"])
+def test_a_state_of_another_number_of_processes_is_saved_again_with_every_ranks_rng_state(kind: str) -> None:
+    # Saved by 2 processes (each rank's epoch RNG state its own), loaded by 1 and saved again
+    # before a batch is consumed: the state as given, rank 1's RNG state included (a 2-process
+    # run resuming from it draws each rank's epoch again). tests/trainer/test_data_resume_ddp.py
+    # does 4 -> 2 -> 4 on 2 real processes.
+    first = prepared(KINDS[kind](0))
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    (own,) = state["epoch_rng"]
+    other = {"torch": torch.randint(0, 256, own["torch"].shape, dtype=torch.uint8), "generator": None}
+    state["epoch_rng"] = [own, other]  # as 2 processes save it
+    loader = prepared(KINDS[kind](0))
+    loader.load_state_dict(state)
+    _assert_same_state(loader.state_dict(), state)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "resuming the .* of this loader reads", UserWarning)
+        assert len(list(loader)) == 4  # resumed after the 2 batches
+    assert "epoch_rng" not in loader.state_dict()  # (another number's RNG states served no rank here)
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_the_position_saved_mid_epoch_twice_in_a_row_is_the_same_and_resumes_there(kind: str) -> None:
     loader = prepared(KINDS[kind](0), look_ahead=True)

@@ -161,3 +161,78 @@ def test_a_loaded_position_is_saved_again_as_given_until_the_next_epoch_starts()
     with pytest.warns(UserWarning, match="4 samples will be seen again"):
         list(handed_on)  # an epoch started: from now on its own position
     assert handed_on.state_dict()["samples_seen"] == 40
+
+
+
+def _stream_loader(rank: int = 0, shares: int = 1) -> RigDataLoader:
+    """Rank ``rank``'s loader of a Hugging Face stream shuffled with a buffer (resumed by replaying
+    its epoch) split into ``shares`` (1: read whole), as ``prepare`` makes it on a rank of a run
+    with that many data-parallel processes."""
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    stream = Dataset.from_dict({"id": list(range(40))}).to_iterable_dataset(num_shards=4).shuffle(seed=3, buffer_size=6)
+    if shares > 1:
+        stream = split_dataset_by_node(stream, rank=rank, world_size=shares)
+    return RigDataLoader(DataLoader(stream, batch_size=4), device=CPU, shares=shares)
+
+
+def _stream_ids(loader: RigDataLoader) -> list[list[int]]:
+    return [batch["id"].tolist() for batch in loader]
+
+
+def _replayed_stream_state(shares: int) -> dict[str, Any]:
+    loader = _stream_loader(0, shares)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    return loader.state_dict()
+
+
+def test_a_replayed_stream_split_across_processes_is_refused_under_another_number() -> None:
+    # Rank 0 of 2 read 3 batches of its share; replayed on 1 process the next batches would be
+    # the whole stream's after its first 3, not the uninterrupted 2-process run's: refused, as a
+    # stream with a position is, and the loader keeps its own position.
+    state = _replayed_stream_state(shares=2)
+    assert state["num_replicas"] == 2
+    loader = _stream_loader()
+    with pytest.raises(ValueError) as err:
+        loader.load_state_dict(state)
+    assert str(err.value) == (
+        "the checkpoint's IterableDataset stream was saved by 2 processes, each at its own position in its share "
+        "of the stream; this run has 1. Resume it with 2 processes: a position in one share of a stream does not "
+        "say where another number of shares would be"
+    )
+    assert loader.state_dict()["epoch"] == -1  # (nothing was taken from the refused state)
+    assert _stream_ids(loader) == _stream_ids(_stream_loader())
+    with pytest.raises(ValueError, match=r"saved by 2 processes.*this run has 4\. Resume it with 2 processes"):
+        _stream_loader(1, shares=4).load_state_dict(state)
+    # One process read the stream whole: each of 2 replaying 3 batches of its half would skip others.
+    with pytest.raises(ValueError, match=r"saved by 1 process, .*this run has 2\. Resume it with 1 process:"):
+        _stream_loader(0, shares=2).load_state_dict(_replayed_stream_state(shares=1))
+
+
+@pytest.mark.parametrize("shares", [2, 1], ids=["split", "read_whole"])
+def test_a_replayed_stream_resumes_under_its_split_and_one_read_whole_under_any_number(shares: int) -> None:
+    # Split: under as many processes as saved it. Read whole by every process (1 share): the 3
+    # batches of one are those of any, and so are the next, so it resumes under any number of
+    # processes that read it whole (each here as rank 0 of its run: the same loader).
+    state = _replayed_stream_state(shares)
+    assert state["num_replicas"] == shares
+    resumed = _stream_loader(0, shares)
+    with pytest.warns(UserWarning, match="reads the 3 batches"):
+        resumed.load_state_dict(state)
+        batches = _stream_ids(resumed)
+    assert batches == _stream_ids(_stream_loader(0, shares))[3:]
+
+
+def test_a_replayed_stream_position_saved_before_its_split_was_recorded_still_resumes() -> None:
+    # A checkpoint written before ``num_replicas`` was saved for a stream has no count to check: it loads.
+    state = _replayed_stream_state(shares=2)
+    del state["num_replicas"]
+    resumed = _stream_loader(0, shares=2)
+    with pytest.warns(UserWarning, match="reads the 3 batches"):
+        resumed.load_state_dict(state)
+        batches = _stream_ids(resumed)
+    assert batches == _stream_ids(_stream_loader(0, shares=2))[3:]
+    assert resumed.state_dict()["num_replicas"] == 2  # saved from now on

@@ -15,8 +15,18 @@ from torchrig.data.iterable import is_stateful, is_stateful_loader, keeps_positi
 from torchrig.data.samplers import ResumableSampler, ResumedIndices
 from torchrig.nested import move_batch
 
-#: The entries of a saved position that hold one value per rank (in rank order).
+#: The entries of a saved position that hold one value per rank (in rank order). A loader keeps
+#: its rank's chunk of each list (one value, its own, when saved by as many processes as it runs
+#: with) and saves the chunks of every rank joined in rank order: a list from another number of
+#: processes is saved again as given.
 _PER_RANK = ("epoch_rng", "loader_state")
+
+
+def _chunk(values: list[Any], rank: int, world: int) -> list[Any]:
+    """Rank ``rank``'s contiguous chunk of ``values`` split among ``world`` ranks (the chunks joined
+    in rank order are ``values``; each is ``[values[rank]]`` when there are ``world`` of them)."""
+    n = len(values)
+    return values[rank * n // world : (rank + 1) * n // world]
 
 
 def length_of(loader: Any) -> int | float:
@@ -133,9 +143,14 @@ class RigDataLoader:
         seed: int = 0,
         on_batch: Callable[[RigDataLoader], Any] | None = None,
         strategy: Any = None,
+        shares: int = 1,
     ) -> None:
         self.loader = loader
         self.strategy = strategy
+        #: How many shares a stream (an ``IterableDataset``) is split into, one per data-parallel
+        #: process; 1: each process reads it whole; None: not a stream. Saved (as ``num_replicas``):
+        #: a position inside one share does not resume another split.
+        self.shares = shares if isinstance(loader.dataset, IterableDataset) else None
         self.device = device
         self.seed = seed
         self.epoch = -1
@@ -158,7 +173,7 @@ class RigDataLoader:
         #: (always False for a loader with a length, or without ``look_ahead``).
         self.at_last_batch = False
         #: This rank's part of the position to save (:meth:`state_dict`'s entries, each rank's
-        #: ``epoch_rng`` and ``loader_state`` as this rank's alone), while the loader's progress
+        #: ``epoch_rng`` and ``loader_state`` as this rank's chunk of the list), while the loader's progress
         #: does not say it; None: the progress says it. Set by :meth:`load_state_dict` (the state
         #: loaded: a position from another batch size is not rounded to this loader's batches),
         #: by reading ahead (the position before the batch read ahead), by :meth:`end_workers` and
@@ -202,7 +217,8 @@ class RigDataLoader:
             loaded = position or {}
             # An epoch read to its end has nothing left, whatever a stream would give if read again
             # (a loader with a length resumes at its next epoch: nothing to skip there).
-            it = iter(()) if loaded.get("ended") else self._resumed_epoch(skip, loaded.get("loader_state"))
+            own = loaded.get("loader_state") or [None]  # (this rank's chunk: its own value, as the count matched)
+            it = iter(()) if loaded.get("ended") else self._resumed_epoch(skip, own[0])
         else:
             generator = self.loader.generator
             self._epoch_rng = {
@@ -346,9 +362,11 @@ class RigDataLoader:
         of the epoch's global order that all ranks together consumed (``len(dataset)`` once the
         epoch is over), with the ``num_replicas`` and ``batch_size`` it ran with, so a run with
         another number of processes or batch size resumes at the same place in the data. A
-        stream in a StatefulDataLoader records ``loader_state``, each rank's position in it.
+        stream in a StatefulDataLoader records ``loader_state``, each rank's position in it; a
+        stream split across processes records ``num_replicas``, its number of shares.
         Between ``load_state_dict`` and the next ``iter()`` it is the state loaded, as given
-        (each rank's ``epoch_rng`` only when saved by as many processes as this run has).
+        (every rank's ``epoch_rng``, also from another number of processes: each rank keeps its
+        chunk of the list, and the chunks joined in rank order are the list loaded).
         """
         local = self._position
         if local is None:  # the progress says it: the batches given out, a stream's own state
@@ -357,7 +375,10 @@ class RigDataLoader:
                 with torch.random.fork_rng(devices=[]):  # it may start an iterator (a draw) when none is running
                     position = self.loader.state_dict()  # type: ignore[attr-defined]
             local = self._here(self.batches_seen, position)
-        return {key: self._every_rank(value) if key in _PER_RANK else value for key, value in local.items()}
+        return {
+            key: [v for chunk in self._every_rank(value) for v in chunk] if key in _PER_RANK else value
+            for key, value in local.items()
+        }
 
     def _keeps_stream_position(self) -> bool:
         """Whether the loader is a StatefulDataLoader over a stream whose own state resumes it (not
@@ -370,9 +391,11 @@ class RigDataLoader:
         a stream's being ``loader_state`` (None: the loader keeps none)."""
         state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": batches_seen, "seed": self.seed}
         if self._epoch_rng is not None:
-            state["epoch_rng"] = self._epoch_rng
+            state["epoch_rng"] = [self._epoch_rng]
         if loader_state is not None:
-            state["loader_state"] = loader_state
+            state["loader_state"] = [loader_state]
+        if self.shares is not None:
+            state["num_replicas"] = self.shares
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             batch_size = self.loader.batch_size or 1
@@ -391,26 +414,23 @@ class RigDataLoader:
         A position saved by a different number of processes or batch size is converted through
         the global sample position; when it falls inside one of this loader's global batches,
         the resume starts at that batch and warns how many samples are seen again. A stream's
-        position saved by another number of processes is refused (ValueError), and changes nothing.
+        position saved by another number of processes is refused (ValueError), and changes nothing:
+        a stream with a position, and one replayed that is split across processes (one each
+        process reads whole resumes under any number). Each rank's ``epoch_rng`` is used only when
+        saved by as many processes as this run has.
         """
         epoch, seen = int(state["epoch"]), int(state["batches_seen"])
         rank, world = (0, 1) if self.strategy is None else (self.strategy.global_rank, self.strategy.world_size)
-        positions = state.get("loader_state")
-        if positions is not None and len(positions) != world and is_stateful_loader(self.loader):
-            raise ValueError(
-                f"the checkpoint's {type(self.loader.dataset).__name__} stream was saved by {len(positions)} "
-                f"processes, each at its own position in its share of the stream; this run has {world}. "
-                f"Resume it with {len(positions)} processes: a position in one share of a stream does not say "
-                "where another number of shares would be"
-            )
+        self._check_split(state, world)
         # This rank's part of the state, kept (and saved again as it is) until the next epoch starts.
         local = {key: value for key, value in state.items() if key not in _PER_RANK}
         for key in _PER_RANK:
-            if state.get(key) and len(state[key]) == world:  # (another number's RNG states serve no rank here)
-                local[key] = state[key][rank]
+            if state.get(key):
+                local[key] = _chunk(list(state[key]), rank, world)
         self._position, self._seen_again = local, None
         self.seed = int(state.get("seed", self.seed))
-        self._epoch_rng = local.get("epoch_rng")
+        rngs = state.get("epoch_rng") or []
+        self._epoch_rng = rngs[rank] if len(rngs) == world else None  # (another number's serve no rank here)
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             sampler.seed = self.seed
@@ -420,6 +440,26 @@ class RigDataLoader:
             epoch, seen = epoch + 1, 0
         self._resume_at = (max(epoch, 0), seen)
         self.epoch, self.batches_seen = epoch, seen
+
+    def _check_split(self, state: dict[str, Any], world: int) -> None:
+        """ValueError when ``state`` holds a stream's position in another split of the stream than
+        this run's: each rank's own position (``loader_state``) from another number of processes, or
+        a replayed stream split into another number of shares (``num_replicas``: 1 for a stream
+        each process reads whole, which so resumes under any number of processes that read it
+        whole; a checkpoint from before it was saved is not checked)."""
+        if self.shares is None:
+            return  # (a map-style loader's ``num_replicas`` is converted through the global sample position)
+        positions = state.get("loader_state")
+        saved, now = state.get("num_replicas", self.shares), self.shares
+        if positions is not None and is_stateful_loader(self.loader) and len(positions) != world:
+            saved, now = len(positions), world
+        if saved != now:
+            processes = f"{saved} process{'es' if saved != 1 else ''}"
+            raise ValueError(
+                f"the checkpoint's {type(self.loader.dataset).__name__} stream was saved by {processes}, each at "
+                f"its own position in its share of the stream; this run has {now}. Resume it with {processes}: "
+                "a position in one share of a stream does not say where another number of shares would be"
+            )
 
     def _batches_for(self, state: dict[str, Any], epoch: int, sampler: ResumableSampler) -> tuple[int, int]:
         """``(epoch, batches of this rank to skip)`` for the global position saved in ``state``."""
