@@ -48,6 +48,13 @@ def loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
     return kw
 
 
+def sampler_generator(loader: DataLoader[Any]) -> torch.Generator | None:
+    """The generator ``loader``'s ``RandomSampler`` draws its order from (``DataLoader(shuffle=True,
+    generator=g)`` gives it ``g``), which its rebuilt :class:`ResumableSampler` honours; None for
+    any other sampler, or one without a generator (its order then comes from the run's seed)."""
+    return loader.sampler.generator if isinstance(loader.sampler, RandomSampler) else None
+
+
 def rebuild_with_sampler(
     loader: DataLoader[Any], *, seed: int, num_replicas: int, rank: int, pin_memory: bool
 ) -> DataLoader[Any] | None:
@@ -72,6 +79,7 @@ def rebuild_with_sampler(
         num_replicas=num_replicas,
         rank=rank,
         drop_last=bs.drop_last,
+        generator=sampler_generator(loader),
     )
     kw = loader_kwargs(loader)
     kw["pin_memory"] = kw["pin_memory"] or pin_memory
@@ -209,6 +217,7 @@ class RigDataLoader:
                 "torch": torch.get_rng_state(),
                 "generator": None if generator is None else generator.get_state(),
             }
+            self._epoch_rng.update((key, g.get_state()) for key, g in self._own_generators().items())
             it = iter(self.loader)
         self.at_last_batch = False
         if self.look_ahead and math.isinf(length_of(self.loader)):
@@ -282,10 +291,12 @@ class RigDataLoader:
         RNG stream of the run continues from the checkpoint's state."""
         loader, rng = self.loader, self._epoch_rng
         # (.cpu(): a checkpoint loaded with map_location on an accelerator brings the states there)
-        if rng is not None and rng.get("generator") is not None and loader.generator is not None:
-            loader.generator.set_state(rng["generator"].cpu())
+        generators = {"generator": loader.generator, **self._own_generators()}
+        for key, generator in generators.items():
+            if rng is not None and rng.get(key) is not None and generator is not None:
+                generator.set_state(rng[key].cpu())
         with torch.random.fork_rng(devices=[]):
-            if rng is not None:
+            if rng is not None and rng.get("torch") is not None:
                 torch.set_rng_state(rng["torch"].cpu())
             # Without the epoch's state (a checkpoint from before it was saved), the DataLoader's
             # draw is not repeated: the restored RNG state is already after it.
@@ -308,6 +319,23 @@ class RigDataLoader:
             it = iter(one_epoch)
             indices.start()  # the order is drawn here, from the epoch's state
             return it
+
+    def _own_generators(self) -> dict[str, torch.Generator]:
+        """The generator a :class:`ResumableSampler` draws its order from, when it is not the
+        loader's own (``sampler=RandomSampler(data, generator=g)``): its state is saved with the
+        epoch's as ``sampler_generator``."""
+        sampler = self.loader.sampler
+        generator = sampler.generator if isinstance(sampler, ResumableSampler) else None
+        return {} if generator is None or generator is self.loader.generator else {"sampler_generator": generator}
+
+    def _shared_generator_keys(self) -> set[str]:
+        """The ``epoch_rng`` keys of the generator a :class:`ResumableSampler` draws its order
+        from (the same state on every rank): ``sampler_generator``, or ``generator`` when it is
+        the loader's own."""
+        sampler = self.loader.sampler
+        if not isinstance(sampler, ResumableSampler) or sampler.generator is None:
+            return set()
+        return {"generator"} if sampler.generator is self.loader.generator else {"sampler_generator"}
 
     def _every_rank(self, value: Any) -> list[Any]:
         """``value`` of every rank, in rank order (a collective when there are several)."""
@@ -408,6 +436,11 @@ class RigDataLoader:
         for key in _PER_RANK:
             if state.get(key) and len(state[key]) == world:  # (another number's RNG states serve no rank here)
                 local[key] = state[key][rank]
+        shared = self._shared_generator_keys()
+        if state.get("epoch_rng") and "epoch_rng" not in local and shared:
+            # Saved by another number of processes: the sampler's generator's state still serves (prepare
+            # made it the same on every rank), torch's per-rank ones do not.
+            local["epoch_rng"] = {key: value for key, value in state["epoch_rng"][0].items() if key in shared}
         self._position, self._seen_again = local, None
         self.seed = int(state.get("seed", self.seed))
         self._epoch_rng = local.get("epoch_rng")
