@@ -328,14 +328,16 @@ class RigDataLoader:
         generator = sampler.generator if isinstance(sampler, ResumableSampler) else None
         return {} if generator is None or generator is self.loader.generator else {"sampler_generator": generator}
 
-    def _shared_generator_keys(self) -> set[str]:
-        """The ``epoch_rng`` keys of the generator a :class:`ResumableSampler` draws its order
-        from (the same state on every rank): ``sampler_generator``, or ``generator`` when it is
-        the loader's own."""
+    def _shared_generator_states(self, rngs: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """From every rank's ``epoch_rng`` saved by another number of processes, what still serves
+        this rank: the state of the generator a :class:`ResumableSampler` draws its order from
+        (``sampler_generator``, or ``generator`` when it is the loader's own), the same on every
+        rank (prepare made it so); torch's per-rank states do not. None when there is none."""
         sampler = self.loader.sampler
-        if not isinstance(sampler, ResumableSampler) or sampler.generator is None:
-            return set()
-        return {"generator"} if sampler.generator is self.loader.generator else {"sampler_generator"}
+        if not rngs or not isinstance(sampler, ResumableSampler) or sampler.generator is None:
+            return None
+        key = "generator" if sampler.generator is self.loader.generator else "sampler_generator"
+        return {key: rngs[0][key]} if rngs[0].get(key) is not None else None
 
     def _every_rank(self, value: Any) -> list[Any]:
         """``value`` of every rank, in rank order (a collective when there are several)."""
@@ -436,14 +438,9 @@ class RigDataLoader:
         for key in _PER_RANK:
             if state.get(key) and len(state[key]) == world:  # (another number's RNG states serve no rank here)
                 local[key] = state[key][rank]
-        shared = self._shared_generator_keys()
-        if state.get("epoch_rng") and "epoch_rng" not in local and shared:
-            # Saved by another number of processes: the sampler's generator's state still serves (prepare
-            # made it the same on every rank), torch's per-rank ones do not.
-            local["epoch_rng"] = {key: value for key, value in state["epoch_rng"][0].items() if key in shared}
         self._position, self._seen_again = local, None
         self.seed = int(state.get("seed", self.seed))
-        self._epoch_rng = local.get("epoch_rng")
+        self._epoch_rng = local.get("epoch_rng") or self._shared_generator_states(state.get("epoch_rng"))
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             sampler.seed = self.seed
