@@ -129,7 +129,7 @@ def probe_accelerator(name: str) -> dict[str, Any]:
     """One registered accelerator: available or why not, its devices, and its precisions."""
     from torchrig.accelerators import ACCELERATOR_REGISTRY, TorchDeviceAccelerator
     from torchrig.devices import device_module
-    from torchrig.precision import auto_precision, supported_precisions
+    from torchrig.precision import accepted_precisions, auto_precision, fp8_refusal
 
     entry = ACCELERATOR_REGISTRY.entry(name)
     acc = entry.build()
@@ -151,13 +151,20 @@ def probe_accelerator(name: str) -> dict[str, Any]:
         bf16 = getattr(mod, "is_bf16_supported", None)
         if callable(bf16):
             info["bf16_supported"] = _guarded(bf16)
-    precisions = _guarded(supported_precisions, acc.device_type)
+    precisions = _guarded(accepted_precisions, acc.device_type)
     info["supported_precisions"] = precisions
+    info["fp8_refused"] = _guarded(_refusal_text, fp8_refusal, acc.device_type)
     if isinstance(precisions, list):
         info.setdefault("bf16_supported", "bf16-mixed" in precisions or "bf16-true" in precisions)
         info["fp16_supported"] = "16-mixed" in precisions or "16-true" in precisions
     info["auto_precision"] = _guarded(auto_precision, acc.device_type)
     return info
+
+
+def _refusal_text(refusal: Any, device_type: str) -> str | None:
+    """Why ``refusal(device_type)`` refuses (its error as ``Type: message``), or None when it accepts."""
+    err = refusal(device_type)
+    return None if err is None else f"{type(err).__name__}: {err}"
 
 
 def probe_accelerators() -> dict[str, Any]:
@@ -208,7 +215,7 @@ def probe_cluster() -> dict[str, Any]:
 
 def probe_precision() -> dict[str, Any]:
     """The precision of the auto-selected device: what ``"auto"`` picks and what else works."""
-    from torchrig.precision import auto_precision, supported_precisions
+    from torchrig.precision import accepted_precisions, auto_precision
     from torchrig.resolve import auto_accelerator_name, default
 
     device_type = auto_accelerator_name()
@@ -216,7 +223,7 @@ def probe_precision() -> dict[str, Any]:
         "device_type": device_type,
         "default": default("precision", None),
         "auto": auto_precision(device_type),
-        "supported": supported_precisions(device_type),
+        "supported": accepted_precisions(device_type),
     }
 
 

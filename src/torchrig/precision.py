@@ -254,6 +254,36 @@ def check_optimizer_eps(optimizer: torch.optim.Optimizer, precision: str) -> Non
                 )
 
 
+def fp8_refusal(device_type: str) -> Exception | None:
+    """The error ``precision="fp8-mixed"`` on ``device_type`` is refused with, or None when it is
+    accepted: it needs bf16 autocast, torchao's float8 training, and float8 matmul
+    (``torch._scaled_mm``, probed) on the device. On the CPU torch's own ``_scaled_mm`` kernel
+    multiplies the float8 matrices, so it is accepted there (real float8 rounding, no speed-up)."""
+    can = supported_precisions(device_type)
+    if "bf16-mixed" not in can:
+        return ValueError(
+            f"precision='{FP8_PRECISION}' runs under bf16 autocast (bf16-mixed), which is not supported on "
+            f"{device_type}; {device_type} supports: {', '.join(can)}"
+        )
+    try:
+        require_torchao()
+    except ModuleNotFoundError as err:
+        return err
+    reason = fp8_unsupported_reason(device_type)
+    if reason is not None:
+        return ValueError(
+            f"precision='{FP8_PRECISION}' is not supported on {device_type}: {reason}. "
+            f"Use precision='bf16-mixed'; {device_type} supports: {', '.join(can)}"
+        )
+    return None
+
+
+def accepted_precisions(device_type: str) -> list[str]:
+    """Every precision a Rig on ``device_type`` accepts: :func:`supported_precisions`, and
+    ``fp8-mixed`` where :func:`fp8_refusal` finds nothing against it (what ``torchrig env`` lists)."""
+    return supported_precisions(device_type) + ([FP8_PRECISION] if fp8_refusal(device_type) is None else [])
+
+
 def auto_precision(device_type: str) -> str:
     """``precision="auto"``: bf16-mixed where the device has native bf16, else 32-true.
 
@@ -312,20 +342,9 @@ class Precision:
 
     def _check_fp8(self) -> None:
         """fp8-mixed needs bf16 autocast, torchao, and float8 matmul on the device: else an error."""
-        device_type = self.device_type
-        can = supported_precisions(device_type)
-        if "bf16-mixed" not in can:
-            raise ValueError(
-                f"precision='{FP8_PRECISION}' runs under bf16 autocast (bf16-mixed), which is not supported on "
-                f"{device_type}; {device_type} supports: {', '.join(can)}"
-            )
-        require_torchao()
-        reason = fp8_unsupported_reason(device_type)
-        if reason is not None:
-            raise ValueError(
-                f"precision='{FP8_PRECISION}' is not supported on {device_type}: {reason}. "
-                f"Use precision='bf16-mixed'; {device_type} supports: {', '.join(can)}"
-            )
+        refusal = fp8_refusal(self.device_type)
+        if refusal is not None:
+            raise refusal
 
     @property
     def is_mixed(self) -> bool:

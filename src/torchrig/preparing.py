@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from torchrig import speedups
-from torchrig.data import RigDataLoader, loader_kwargs, rebuild_iterable, rebuild_with_sampler
+from torchrig.data import RigDataLoader, loader_kwargs, rebuild_iterable, rebuild_with_sampler, sampler_generator
 from torchrig.precision import check_optimizer_eps
 from torchrig.strategies import Strategy
 from torchrig.strategies.base import reset_parameters
@@ -160,9 +160,15 @@ class Preparing:
             )
         # The shuffle seed comes from torch's RNG (so seed_everything fixes it) and rank 0 decides;
         # a loader that does not shuffle takes no draw (the run's RNG stream is the hand-written loop's).
-        shuffles = isinstance(loader.sampler, RandomSampler)
+        # A RandomSampler with a generator (DataLoader(shuffle=True, generator=g)) keeps drawing its order
+        # from it, as in the hand-written loop: no seed is drawn, and under several processes rank 0's
+        # state of it becomes every rank's, so the ranks split one order.
+        generator = sampler_generator(loader)
+        shuffles = isinstance(loader.sampler, RandomSampler) and generator is None
         seed = self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item())) if shuffles else 0
         pin = self.device.type not in ("cpu", "mps")
+        if generator is not None and self.world_size > 1:
+            generator.set_state(self.strategy.broadcast({"state": generator.get_state()})["state"])
         rebuilt = rebuild_with_sampler(loader, seed=seed, num_replicas=replicas, rank=rank, pin_memory=pin)
         if rebuilt is None:
             kw = loader_kwargs(loader)

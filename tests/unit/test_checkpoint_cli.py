@@ -41,8 +41,12 @@ def test_inspect_prints_contents_and_verifies(saved: Path, capsys: pytest.Captur
     data = bytearray((saved / "state.pt").read_bytes())
     data[-40] ^= 1
     (saved / "state.pt").write_bytes(bytes(data))
-    assert main(["checkpoint", "inspect", str(saved)]) == 1
+    assert main(["checkpoint", "inspect", str(saved)]) == 1  # damaged: exit 1, not a usage error's 2
     assert "MISMATCH" in capsys.readouterr().out
+    assert main(["checkpoint", "consolidate", str(saved), str(saved.parent / "w.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"torchrig checkpoint consolidate: checksum mismatch in {saved / 'state.pt'}: SHA-256 is ")
+    assert err.count("\n") == 1 and "the file was altered or corrupted" in err
 
 
 @pytest.mark.timeout(10)
@@ -57,9 +61,18 @@ def test_consolidate_writes_one_self_contained_file(saved: Path, tmp_path: Path)
 
 
 @pytest.mark.timeout(10)
-def test_errors_are_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 1
-    assert "no checkpoint at" in capsys.readouterr().err
+def test_usage_errors_are_one_prefixed_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"torchrig checkpoint inspect: no checkpoint at {tmp_path / 'nope'}\n"
+    (tmp_path / "w.safetensors").write_bytes(b"not a checkpoint")
+    assert main(["checkpoint", "consolidate", str(tmp_path / "w.safetensors"), str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"torchrig checkpoint consolidate: {tmp_path / 'w.safetensors'} is a file, but a torchrig")
+    assert err.count("\n") == 1
+    assert main(["checkpoint", "import", str(tmp_path / "nope.ckpt"), str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchrig checkpoint import: ") and str(tmp_path / "nope.ckpt") in err, err
+    assert err.count("\n") == 1
     assert main(["checkpoint"]) == 2
 
 
@@ -76,13 +89,13 @@ def test_consolidate_refuses_an_out_it_cannot_write_and_leaves_everything_as_it_
     (folder / "notes.txt").write_text("the user's")
     before = _listing(tmp_path)
     cases = [
-        (folder, f"error: out={str(folder)!r} is a directory; give the file to write, such as "),
+        (folder, f"torchrig checkpoint consolidate: out={str(folder)!r} is a directory; give the file to write, "),
         (folder / "notes.txt" / "w.safetensors", "exists and is not a directory"),
         (saved / "model.safetensors", f"is inside the checkpoint {saved.resolve()} it reads, whose files are checked"),
         (saved.parent / "last" / "w.safetensors", "is inside the checkpoint"),  # through the link
     ]
     for out, error in cases:
-        assert main(["checkpoint", "consolidate", str(saved), str(out)]) == 1
+        assert main(["checkpoint", "consolidate", str(saved), str(out)]) == 2  # a usage error
         err = capsys.readouterr().err
         assert error in err and err.count("\n") == 1, err
         assert _listing(tmp_path) == before, out  # no temporary file left, the checkpoint unchanged

@@ -46,11 +46,12 @@ def _edit_meta(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
 
 
 def _inspect_fails(path: Path, capsys: pytest.CaptureFixture[str], message: str) -> None:
-    """``torchrig checkpoint inspect`` says what is wrong and exits non-zero, without a traceback."""
+    """``torchrig checkpoint inspect`` says what is wrong in one line and exits with 2 (it cannot
+    read the checkpoint: not the 1 of a listed file that fails its check), without a traceback."""
     capsys.readouterr()
     code = main(["checkpoint", "inspect", str(path)])
     out, err = capsys.readouterr()
-    assert code == 1
+    assert code == 2 and err.startswith("torchrig checkpoint inspect: ") and err.count("\n") == 1, err
     assert "Traceback" not in out + err
     assert message in " ".join((out + err).split()), out + err
 
@@ -599,8 +600,8 @@ def test_a_file_given_as_a_checkpoint_says_what_it_is_and_how_to_read_it(
         with pytest.raises(CheckpointError) as refused:
             rig.load(path, {"model": model})
         assert str(refused.value) == f"{path} is {what}"
-        assert main(["checkpoint", "inspect", str(path)]) == 1
-        assert capsys.readouterr().err == f"error: {path} is {what}\n"
+        assert main(["checkpoint", "inspect", str(path)]) == 2
+        assert capsys.readouterr().err == f"torchrig checkpoint inspect: {path} is {what}\n"
         assert path.read_bytes() == before
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
 

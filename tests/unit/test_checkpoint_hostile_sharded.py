@@ -150,7 +150,7 @@ def test_a_metadata_payload_never_runs_on_load_or_consolidate(
     with pytest.raises(CheckpointError, match=re.escape(MESSAGES[kind])):
         torchrig.checkpoint.consolidate(path, tmp_path / "out.safetensors")
     capsys.readouterr()
-    assert main(["checkpoint", "consolidate", str(path), str(tmp_path / "out.safetensors")]) == 1
+    assert main(["checkpoint", "consolidate", str(path), str(tmp_path / "out.safetensors")]) == 2
     out, err = capsys.readouterr()
     assert MESSAGES[kind] in " ".join((out + err).split()) and "Traceback" not in out + err
     main(["checkpoint", "inspect", str(path)])  # reads meta.json and hashes files: unpickles nothing

@@ -129,6 +129,6 @@ def test_crafted_shard_entries_are_a_one_line_checkpoint_error(
         rig.load(path, {"model": model, "optimizer": optimizer})
     assert all(torch.equal(a.full_tensor(), b) for a, b in zip(model.parameters(), before, strict=True))
     capsys.readouterr()
-    assert main(["checkpoint", "consolidate", str(path), str(tmp_path / "out.safetensors")]) == 1
+    assert main(["checkpoint", "consolidate", str(path), str(tmp_path / "out.safetensors")]) == 2
     out, err = capsys.readouterr()
     assert message in " ".join((out + err).split()) and "Traceback" not in out + err

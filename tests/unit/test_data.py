@@ -290,8 +290,8 @@ def test_the_loaders_own_generator_is_saved_and_restored_with_the_epoch(tmp_path
 def test_a_samplers_own_generator_is_not_in_the_checkpoint(kind: str) -> None:
     """docs/data.md, "Not exact": a sampler given its own ``torch.Generator`` draws the resumed
     epoch from whatever state that generator has in the new process (the checkpoint does not
-    hold it). A ``RandomSampler`` is the exception: ``prepare`` replaces it (its generator too) by
-    a ``ResumableSampler``, as for ``shuffle=True``, so it resumes exactly."""
+    hold it). A ``RandomSampler`` is the exception: ``prepare`` replaces it by a ``ResumableSampler``
+    that draws from its generator and saves that generator's state with the epoch, so it resumes exactly."""
 
     def make() -> RigDataLoader:
         g = torch.Generator().manual_seed(1)

@@ -56,13 +56,39 @@ def test_json_on_this_cpu_machine(capsys: pytest.CaptureFixture[str]) -> None:
         "device_type": "cpu",
         "default": "32-true",
         "auto": "32-true",
-        "supported": ["32-true", "64-true", "16-mixed", "16-true", "bf16-mixed", "bf16-true"],
+        "supported": ["32-true", "64-true", "16-mixed", "16-true", "bf16-mixed", "bf16-true", "fp8-mixed"],
     }
     cuda = info["accelerators"]["cuda"]
     assert cuda["available"] is False
     assert cuda["reason"].startswith("this PyTorch build has no CUDA: torch ")
     assert info["accelerators"]["tpu"]["reason"].startswith("torch_xla is not installed")
     assert info["distributed"]["backends"]["nccl"] is False
+
+
+def test_the_cpu_precisions_listed_are_the_ones_a_rig_accepts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchrig
+
+    info = run_json(capsys)
+    listed = info["accelerators"]["cpu"]["supported_precisions"]
+    assert "fp8-mixed" in listed and info["accelerators"]["cpu"]["fp8_refused"] is None  # torchao is installed
+    assert listed == info["precision"]["supported"]
+    for precision in listed:  # each one is accepted, none falls back: fp8-mixed converts a layer to float8
+        rig = torchrig.Rig(accelerator="cpu", precision=precision)
+        model = rig.prepare(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3))))
+        assert (type(model.module[1]).__name__ == "Float8Linear") == (precision == "fp8-mixed"), precision
+
+    monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)  # torchao's float8 cannot be imported
+    info = run_json(capsys)
+    assert "fp8-mixed" not in info["accelerators"]["cpu"]["supported_precisions"]
+    assert "fp8-mixed" not in info["precision"]["supported"]
+    refused = info["accelerators"]["cpu"]["fp8_refused"]
+    assert refused.startswith("ModuleNotFoundError: precision='fp8-mixed' needs torchao's float8 training"), refused
+    with pytest.raises(ModuleNotFoundError, match=r"precision='fp8-mixed' needs torchao's float8 training"):
+        torchrig.Rig(accelerator="cpu", precision="fp8-mixed")
+    out = run_table(capsys, monkeypatch)
+    assert "no fp8-mixed: ModuleNotFoundError: precision='fp8-mixed' needs torchao" in " ".join(out.split())
 
 
 def test_precision_default_follows_the_environment(

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from torchrig.checkpoint.meta import META, META_LIMIT, validate_meta
 
 # A checkpoint folder may come from a stranger: only regular files inside it are read, opened
@@ -29,7 +29,7 @@ from torchrig.checkpoint.meta import META, META_LIMIT, validate_meta
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
 
 
-def _not_regular(path: Path, mode: int) -> CheckpointError:
+def _not_regular(path: Path, mode: int, error: type[CheckpointError] = CheckpointError) -> CheckpointError:
     kind = (
         "a symbolic link"
         if stat.S_ISLNK(mode)
@@ -39,14 +39,14 @@ def _not_regular(path: Path, mode: int) -> CheckpointError:
         if stat.S_ISDIR(mode)
         else "a device or socket"
     )
-    return CheckpointError(
+    return error(
         f"{path} is {kind}, not a regular file: a checkpoint holds only regular files inside its folder; "
         "refusing to read it"
     )
 
 
 def wrong_size(path: Path | str, size: int, listed: int) -> CheckpointError:
-    return CheckpointError(
+    return DamagedCheckpointError(
         f"{path} is {size} bytes but {META} says {listed}: the file was truncated or altered "
         "(checksum mismatch); refusing to load it"
     )
@@ -162,13 +162,13 @@ class VerifiedReader:
         entry = self.meta["files"].get(name)  # read_meta checked every listed name is a plain file name
         path = self.folder / name
         if entry is None:
-            raise CheckpointError(f"{path} is not listed in {self.folder / META}; the checkpoint is damaged")
+            raise DamagedCheckpointError(f"{path} is not listed in {self.folder / META}; the checkpoint is damaged")
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            raise CheckpointError(f"{path} is missing; {META} lists it ({entry['size']} bytes)") from None
+            raise DamagedCheckpointError(f"{path} is missing; {META} lists it ({entry['size']} bytes)") from None
         if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path, st.st_mode)
+            raise _not_regular(path, st.st_mode, DamagedCheckpointError)
         if st.st_size != entry["size"]:
             raise wrong_size(path, st.st_size, entry["size"])
         if hashing and self.verify and name not in self._hashes:
@@ -189,7 +189,7 @@ class VerifiedReader:
         """Raise :class:`CheckpointError` if ``digest`` is not the SHA-256 ``meta.json`` lists for ``name``."""
         want = self.meta["files"][name]["sha256"]
         if digest != want:
-            raise CheckpointError(
+            raise DamagedCheckpointError(
                 f"checksum mismatch in {self.folder / name}: SHA-256 is {digest}, {META} says {want}; "
                 "the file was altered or corrupted, refusing to load it"
             )

@@ -65,7 +65,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def main(args: argparse.Namespace) -> int:
-    from torchrig.checkpoint import CheckpointError
+    """Exit 0 when done (``inspect``: every file matches its SHA-256); 1 when the checkpoint is
+    damaged (a file ``meta.json`` lists is missing, of another size or SHA-256, or not a regular
+    file: ``inspect`` lists it as MISMATCH, ``consolidate`` stops on it); 2, with one
+    ``torchrig checkpoint ACTION:`` line, for any other refusal (no such path, not a checkpoint or
+    not the kind of file the action takes, an ``OUT`` it cannot write, a wrong option)."""
+    import sys
+
+    from torchrig.checkpoint.errors import DamagedCheckpointError
 
     action = getattr(args, "checkpoint_command", None)
     if action is None:
@@ -73,12 +80,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         return {"inspect": _inspect, "consolidate": _consolidate, "import": _import}[action](args)
-    except (CheckpointError, OSError, ValueError) as err:  # a bad checkpoint is a message, never a traceback
-        from rich.console import Console
-        from rich.markup import escape
-
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-        return 1
+    except (OSError, ValueError, TypeError) as err:  # CheckpointError is a ValueError: a message, never a traceback
+        print(f"torchrig checkpoint {action}: {str(err).replace(chr(10), ' ')}", file=sys.stderr)
+        return 1 if isinstance(err, DamagedCheckpointError) else 2
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -118,9 +122,9 @@ def _inspect(args: argparse.Namespace) -> int:
     ok = all(good for _, _, good in info["verified"])
     if args.json:
         print(json.dumps(info, indent=2, default=str))
-        return 0 if ok else 1
-    _print_tables(info)
-    return 0 if ok else 1
+    else:
+        _print_tables(info)
+    return 0 if ok else 1  # a damaged checkpoint, as main says
 
 
 def _size(n: int) -> str:

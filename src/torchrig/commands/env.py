@@ -96,7 +96,10 @@ def _accelerator_table(accelerators: Any, table_cls: Any) -> Any:
             table.add_row(name, "no", "", "", acc.get("reason", ""))
         else:
             precisions = f"{_text(acc.get('supported_precisions'))} ({_text(acc.get('auto_precision'))})"
-            table.add_row(name, "yes", _devices_text(acc), precisions, acc.get("description", ""))
+            about = acc.get("description", "")
+            if acc.get("fp8_refused"):  # the one precision a device may lack for a reason of its own
+                about += f"\nno fp8-mixed: {_text(acc['fp8_refused'])}"
+            table.add_row(name, "yes", _devices_text(acc), precisions, about)
     return table
 
 

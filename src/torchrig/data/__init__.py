@@ -13,7 +13,7 @@ uninterrupted run would have seen (docs/data.md says what is exact for each kind
 """
 
 from torchrig.data.iterable import SHARD_HOOK, rebuild_iterable
-from torchrig.data.loader import RigDataLoader, length_of, loader_kwargs, rebuild_with_sampler
+from torchrig.data.loader import RigDataLoader, length_of, loader_kwargs, rebuild_with_sampler, sampler_generator
 from torchrig.data.samplers import ResumableSampler, ResumedIndices
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "loader_kwargs",
     "rebuild_iterable",
     "rebuild_with_sampler",
+    "sampler_generator",
 ]

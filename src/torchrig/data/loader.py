@@ -58,6 +58,13 @@ def loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
     return kw
 
 
+def sampler_generator(loader: DataLoader[Any]) -> torch.Generator | None:
+    """The generator ``loader``'s ``RandomSampler`` draws its order from (``DataLoader(shuffle=True,
+    generator=g)`` gives it ``g``), which its rebuilt :class:`ResumableSampler` honours; None for
+    any other sampler, or one without a generator (its order then comes from the run's seed)."""
+    return loader.sampler.generator if isinstance(loader.sampler, RandomSampler) else None
+
+
 def rebuild_with_sampler(
     loader: DataLoader[Any], *, seed: int, num_replicas: int, rank: int, pin_memory: bool
 ) -> DataLoader[Any] | None:
@@ -82,6 +89,7 @@ def rebuild_with_sampler(
         num_replicas=num_replicas,
         rank=rank,
         drop_last=bs.drop_last,
+        generator=sampler_generator(loader),
     )
     kw = loader_kwargs(loader)
     kw["pin_memory"] = kw["pin_memory"] or pin_memory
@@ -225,6 +233,7 @@ class RigDataLoader:
                 "torch": torch.get_rng_state(),
                 "generator": None if generator is None else generator.get_state(),
             }
+            self._epoch_rng.update((key, g.get_state()) for key, g in self._own_generators().items())
             it = iter(self.loader)
         self.at_last_batch = False
         if self.look_ahead and math.isinf(length_of(self.loader)):
@@ -298,10 +307,12 @@ class RigDataLoader:
         RNG stream of the run continues from the checkpoint's state."""
         loader, rng = self.loader, self._epoch_rng
         # (.cpu(): a checkpoint loaded with map_location on an accelerator brings the states there)
-        if rng is not None and rng.get("generator") is not None and loader.generator is not None:
-            loader.generator.set_state(rng["generator"].cpu())
+        generators = {"generator": loader.generator, **self._own_generators()}
+        for key, generator in generators.items():
+            if rng is not None and rng.get(key) is not None and generator is not None:
+                generator.set_state(rng[key].cpu())
         with torch.random.fork_rng(devices=[]):
-            if rng is not None:
+            if rng is not None and rng.get("torch") is not None:
                 torch.set_rng_state(rng["torch"].cpu())
             # Without the epoch's state (a checkpoint from before it was saved), the DataLoader's
             # draw is not repeated: the restored RNG state is already after it.
@@ -324,6 +335,25 @@ class RigDataLoader:
             it = iter(one_epoch)
             indices.start()  # the order is drawn here, from the epoch's state
             return it
+
+    def _own_generators(self) -> dict[str, torch.Generator]:
+        """The generator a :class:`ResumableSampler` draws its order from, when it is not the
+        loader's own (``sampler=RandomSampler(data, generator=g)``): its state is saved with the
+        epoch's as ``sampler_generator``."""
+        sampler = self.loader.sampler
+        generator = sampler.generator if isinstance(sampler, ResumableSampler) else None
+        return {} if generator is None or generator is self.loader.generator else {"sampler_generator": generator}
+
+    def _shared_generator_states(self, rngs: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """From every rank's ``epoch_rng`` saved by another number of processes, what still serves
+        this rank: the state of the generator a :class:`ResumableSampler` draws its order from
+        (``sampler_generator``, or ``generator`` when it is the loader's own), the same on every
+        rank (prepare made it so); torch's per-rank states do not. None when there is none."""
+        sampler = self.loader.sampler
+        if not rngs or not isinstance(sampler, ResumableSampler) or sampler.generator is None:
+            return None
+        key = "generator" if sampler.generator is self.loader.generator else "sampler_generator"
+        return {key: rngs[0][key]} if rngs[0].get(key) is not None else None
 
     def _every_rank(self, value: Any) -> list[Any]:
         """``value`` of every rank, in rank order (a collective when there are several)."""
@@ -430,7 +460,7 @@ class RigDataLoader:
         self._position, self._seen_again = local, None
         self.seed = int(state.get("seed", self.seed))
         rngs = state.get("epoch_rng") or []
-        self._epoch_rng = rngs[rank] if len(rngs) == world else None  # (another number's serve no rank here)
+        self._epoch_rng = rngs[rank] if len(rngs) == world else self._shared_generator_states(rngs)
         sampler = self.loader.sampler
         if isinstance(sampler, ResumableSampler):
             sampler.seed = self.seed

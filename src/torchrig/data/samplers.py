@@ -10,11 +10,16 @@ from itertools import islice
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, Sampler
+from torch.utils.data import BatchSampler, RandomSampler, Sampler
 
 
 class ResumableSampler(Sampler[int]):
     """A permutation per ``(seed, epoch)``, split across ``num_replicas`` ranks.
+
+    With a ``generator`` (the one a user gave their ``RandomSampler`` or ``DataLoader``), each
+    epoch's permutation is drawn from it instead, as torch's ``RandomSampler`` draws it (its state
+    advancing epoch after epoch, ``seed`` unused); the loader saves the generator's state at the
+    start of each epoch, so a resume draws the same permutation again.
 
     With ``num_replicas=R`` rank ``r`` takes every R-th index starting at ``r``, so the
     per-rank batches of one step together hold the same samples as the single-process batch
@@ -32,9 +37,11 @@ class ResumableSampler(Sampler[int]):
         num_replicas: int = 1,
         rank: int = 0,
         drop_last: bool = False,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.data_source = data_source
         self.shuffle = shuffle
+        self.generator = generator
         self.seed = seed
         self.num_replicas = num_replicas
         self.rank = rank
@@ -52,7 +59,9 @@ class ResumableSampler(Sampler[int]):
 
     def indices(self) -> list[int]:
         n = len(self.data_source)
-        if self.shuffle:
+        if self.shuffle and self.generator is not None:  # torch's own sampler draws it: the same order
+            order = list(RandomSampler(self.data_source, generator=self.generator))
+        elif self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
             order = torch.randperm(n, generator=g).tolist()
