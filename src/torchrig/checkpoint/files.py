@@ -21,7 +21,6 @@ import socket
 import sys
 import uuid
 import warnings
-import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 from torchrig.checkpoint.errors import CheckpointError
 from torchrig.checkpoint.meta import META
 from torchrig.checkpoint.progress import checkpoints_beside, least_advanced, next_save_count, progress
-from torchrig.checkpoint.reading import read_meta_quiet, sha256_file
+from torchrig.checkpoint.reading import not_a_checkpoint, read_meta_quiet, sha256_file
 from torchrig.checkpoint.targets import NAME_MAX, check_link, check_target
 
 _CHUNK = 16 << 20
@@ -475,7 +474,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
             )
         return p
     if p.exists():
-        raise CheckpointError(_not_a_checkpoint(p))
+        raise CheckpointError(not_a_checkpoint(p))
     copies = _glob(p.parent, f".{glob.escape(_stem(p.name))}.old-*")
     olds = [(progress(m), q) for q in copies if (m := read_meta_quiet(q))]
     if olds:
@@ -487,29 +486,6 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         )
         return old
     raise FileNotFoundError(f"no checkpoint at {p}")
-
-
-def _not_a_checkpoint(p: Path) -> str:
-    """Why the file ``p`` is no checkpoint: what it is, read from its first bytes (nothing is
-    unpickled), and how to read it instead."""
-    kind, fix = "a file", ""
-    try:
-        with open(p, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")  # safetensors: the header's length, then its JSON
-            if 2 <= size <= min(p.stat().st_size - 8, 100 * 2**20):
-                json.loads(f.read(size))
-                kind, fix = "a safetensors file", f"read it with safetensors.torch.load_file({str(p)!r})"
-    except (OSError, ValueError):
-        pass
-    if not fix and zipfile.is_zipfile(p):
-        with contextlib.suppress(OSError, zipfile.BadZipFile), zipfile.ZipFile(p) as archive:  # what torch.save writes
-            pickled = [n for n in archive.namelist() if n.endswith("/data.pkl")]
-            if pickled and b"pytorch-lightning_version" in archive.read(pickled[0]):
-                kind, fix = "a Lightning checkpoint", f"convert it once with `torchrig checkpoint import {p} OUT`"
-            elif pickled:
-                kind, fix = "a file torch.save wrote", f"read it with torch.load({str(p)!r}, weights_only=True)"
-    text = f"{p} is {kind}, but a torchrig checkpoint is a directory holding {META}"
-    return f"{text}; {fix}" if fix else text
 
 
 def _glob(folder: Path, pattern: str) -> list[Path]:

@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import stat
+import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -172,11 +173,7 @@ class VerifiedReader:
         if st.st_size != entry["size"]:
             raise wrong_size(path, st.st_size, entry["size"])
         if hashing and self.verify and name not in self._hashes:
-            if name in self._arrived:
-                self._hashes[name] = done = Future[str]()
-                done.set_result(self._arrived[name])
-            else:
-                self._hashes[name] = self._pool.submit(sha256_file, path, entry["size"])
+            self._hashes[name] = self._pool.submit(self._sha256, name, path)
         return path
 
     def check(self, name: str | None = None) -> None:
@@ -201,7 +198,8 @@ class VerifiedReader:
         path = self.path(name, hashing=False)
         data = read_regular(path)
         if self.verify:
-            self.compare(name, self._arrived.get(name) or hashlib.sha256(data).hexdigest())
+            known = self._arrived.get(name)
+            self.compare(name, known if known is not None else hashlib.sha256(data).hexdigest())
         return data
 
     def submit(self, name: str, fn: Callable[[Path, bool], tuple[Any, str | None]]) -> Future[Any]:
@@ -334,3 +332,26 @@ def read_torch_once(path: Path, hashing: bool, *, map_location: Any = None) -> t
 def unsafe_globals(f: io.BytesIO) -> list[str]:
     """Python classes/functions a ``torch.save`` payload refers to that weights_only loading refuses."""
     return list(torch.serialization.get_unsafe_globals_in_checkpoint(f))
+
+
+def not_a_checkpoint(p: Path) -> str:
+    """Why the file ``p`` is no checkpoint: what it is, read from its first bytes (nothing is
+    unpickled), and how to read it instead."""
+    kind, fix = "a file", ""
+    try:
+        with open(p, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")  # safetensors: the header's length, then its JSON
+            if 2 <= size <= min(p.stat().st_size - 8, 100 * 2**20):
+                json.loads(f.read(size))
+                kind, fix = "a safetensors file", f"read it with safetensors.torch.load_file({str(p)!r})"
+    except (OSError, ValueError):
+        pass
+    if not fix and zipfile.is_zipfile(p):
+        with contextlib.suppress(OSError, zipfile.BadZipFile), zipfile.ZipFile(p) as archive:  # what torch.save writes
+            pickled = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            if pickled and b"pytorch-lightning_version" in archive.read(pickled[0]):
+                kind, fix = "a Lightning checkpoint", f"convert it once with `torchrig checkpoint import {p} OUT`"
+            elif pickled:
+                kind, fix = "a file torch.save wrote", f"read it with torch.load({str(p)!r}, weights_only=True)"
+    text = f"{p} is {kind}, but a torchrig checkpoint is a directory holding {META}"
+    return f"{text}; {fix}" if fix else text

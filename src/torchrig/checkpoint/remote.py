@@ -308,7 +308,10 @@ def _streamed(fs: Any, path: str) -> Iterator[Callable[[int], bytes]]:
         except NotImplementedError:
             stream = None
         if stream is not None:
-            yield lambda n: sync(fs.loop, stream.read, n)
+            try:
+                yield lambda n: sync(fs.loop, stream.read, n)
+            finally:  # (a download stopped early, or of an object that grew, leaves its stream unread)
+                sync(fs.loop, stream.close)
             return
     with fs.open(path, "rb") as f:
         yield f.read
