@@ -179,15 +179,14 @@ class Preparing:
         sharded = rebuilt is not None and not (stream and rebuilt.dataset is loader.dataset)
         if not sharded and self.world_size > 1:
             rebuilt = self.strategy.process_dataloader(loader if rebuilt is None else rebuilt)
-        wrapped = RigDataLoader(
+        return RigDataLoader(
             rebuilt if rebuilt is not None else loader,
             device=self.device,
             seed=seed,
             on_batch=self._batch_from,
             strategy=self.strategy,
-            shares=replicas if stream and sharded else 1,  # (each process reads an unsplit stream whole)
+            shares=replicas if sharded else 1,  # (a stream's; each process reads an unsplit one whole)
         )
-        return wrapped
 
     def _batch_from(self, loader: RigDataLoader) -> None:
         """``on_batch`` of the loaders this Rig prepares: ``loader`` has just yielded a batch."""
