@@ -52,7 +52,10 @@ def test_the_readme_diff_is_what_raw_to_rig_prints() -> None:
     shown = re.search(r"```diff\n(.*?)```", README, re.S).group(1)  # type: ignore[union-attr]
     done = subprocess.run(
         [PYTHON, str(ROOT / "examples" / "raw_to_rig.py"), "--diff"],
-        env=python_env(), capture_output=True, text=True, timeout=50,
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=50,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == shown

@@ -191,6 +191,7 @@ _HF_ONLY = (
     "local_params",
 )
 
+
 def resolve_tp_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> dict[str, ParallelStyle]:
     """``plan`` with its patterns expanded to module names and its style names made into styles.
 

@@ -130,8 +130,9 @@ def test_missing_mlflow_says_how_to_install() -> None:
     hint = "install it with `pip install 'torchrig[mlflow]'` (in a clone of torchrig: `pip install -e '.[mlflow]'`)"
     with (
         mock.patch.dict("sys.modules", {"mlflow": None}),
-        pytest.raises(ModuleNotFoundError, match=r"^MLflowLogger needs the mlflow package, which is not installed; ")
-        as err,
+        pytest.raises(
+            ModuleNotFoundError, match=r"^MLflowLogger needs the mlflow package, which is not installed; "
+        ) as err,
     ):
         torchrig.MLflowLogger()
     assert hint in str(err.value) and err.value.name == "mlflow"

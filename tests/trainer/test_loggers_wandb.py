@@ -123,8 +123,9 @@ def test_only_rank_zero_opens_a_run_and_a_copy_for_another_process_holds_no_run(
 def test_missing_wandb_says_how_to_install() -> None:
     with (
         mock.patch.dict("sys.modules", {"wandb": None}),
-        pytest.raises(ModuleNotFoundError, match=r"^WandbLogger needs the wandb package, which is not installed; ")
-        as err,
+        pytest.raises(
+            ModuleNotFoundError, match=r"^WandbLogger needs the wandb package, which is not installed; "
+        ) as err,
     ):
         torchrig.WandbLogger()
     assert "install it with `pip install 'torchrig[wandb]'` (in a clone of torchrig: `pip install -e '.[wandb]'`)" in (

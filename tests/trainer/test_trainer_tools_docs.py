@@ -42,8 +42,6 @@ def stripped(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
-
-
 @pytest.mark.timeout(160)
 def test_the_simple_profiler_example(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = section('### `profiler="simple"`')

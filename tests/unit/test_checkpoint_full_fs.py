@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,3 +94,39 @@ def test_a_link_that_fails_after_the_commit_says_the_checkpoint_was_committed(sm
     assert f"{folder / 'last'} still points at 'step-1'. Load {folder / 'step-2'} by its name" in str(caught.value)
     assert torchrig.checkpoint.read_values(folder / "step-2")["step"] == 2
     assert torchrig.checkpoint.read_values(folder / "last")["step"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_object_storage_staged_on_a_full_disk_says_which_disk_and_changes_nothing(
+    small_fs: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A checkpoint on object storage is staged (saved) and downloaded (loaded) in the temp folder:
+    # where that disk is full, the error names it and TMPDIR, and the store is as it was.
+    import tempfile
+
+    pytest.importorskip("fsspec")
+    rig = torchrig.Rig(accelerator="cpu")
+    small, big = nn.Linear(2, 2), nn.Linear(2048, 2048)  # 16.8 MB of weights (16.9 MB saved): more than the 16 MiB disk
+    rig.save(f"{memory_url}/ck", {"model": small, "step": 1})
+    rig.save(f"{memory_url}/big", {"model": big, "step": 1}, link=None)
+    monkeypatch.setattr(tempfile, "tempdir", str(small_fs))
+    with pytest.raises(CheckpointError) as caught:
+        rig.save(f"{memory_url}/ck", {"model": big, "step": 2})
+    message = str(caught.value)
+    assert re.match(
+        rf"^no space left on device at {re.escape(str(small_fs))}/torchrig-stage-\w+, where {memory_url}/ck is staged "
+        r"for its upload \(TMPDIR sets that folder\): the checkpoint needs about 16\.9 MB, [0-9.]+ MB free; nothing "
+        r"was replaced \(the previous checkpoint and the link are as they were\)$",
+        message,
+    ), message
+    assert rig.load(f"{memory_url}/last")["step"] == 1
+    with pytest.raises(OSError) as failed:
+        rig.load(f"{memory_url}/big", {"model": nn.Linear(2048, 2048)})
+    assert failed.value.errno == errno.ENOSPC
+    assert re.match(
+        rf"^\[Errno 28\] no space left on device in {re.escape(str(small_fs))}/torchrig-stage-\w+ for "
+        rf"{memory_url}/big/v-\d+-[0-9a-f]+/model\.safetensors \(\d+ bytes\): a checkpoint on object storage is "
+        r"downloaded there to be read \(TMPDIR sets that folder\); make room or set TMPDIR to a disk with space$",
+        str(failed.value),
+    ), str(failed.value)
+    assert list(small_fs.iterdir()) == []  # nothing left in the temp folder

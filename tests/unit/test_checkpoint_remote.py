@@ -281,6 +281,72 @@ def test_a_save_to_object_storage_does_not_fsync_its_staging_copy(
     assert sorted(synced) == ["model.safetensors", "state.pt"]
 
 
+def test_a_staged_file_is_uploaded_while_the_others_are_still_written(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # state.pt's write waits until model.safetensors (written beside it) is up: a save that
+    # uploaded only after every file was written would never get there.
+    import threading
+
+    from torchrig.checkpoint import core
+
+    up = threading.Event()
+    real_put, real_write = MemoryFileSystem.put_file, core.write_torch
+
+    def put_file(self: Any, lpath: str, rpath: str, *a: Any, **kw: Any) -> Any:
+        done = real_put(self, lpath, rpath, *a, **kw)
+        if rpath.endswith("/model.safetensors"):
+            up.set()
+        return done
+
+    def write_torch(path: Path, fsync: bool, obj: Any) -> str:
+        if not up.wait(timeout=20):
+            raise AssertionError("model.safetensors was not uploaded while state.pt was written")
+        return real_write(path, fsync, obj)
+
+    monkeypatch.setattr(MemoryFileSystem, "put_file", put_file)
+    monkeypatch.setattr(core, "write_torch", write_torch)
+    rig = _rig()
+    model, _ = trained_mlp(0)
+    rig.save(f"{memory_url}/ck", {"model": model, "step": 1})
+    other, _ = trained_mlp(1)
+    assert rig.load(f"{memory_url}/ck", {"model": other})["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+
+
+def test_a_save_whose_last_write_fails_removes_the_files_it_uploaded(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # model.safetensors is up before state.pt's write fails: nothing of that save stays under the
+    # name, the error says nothing was committed, and the checkpoint there before is still loaded.
+    import threading
+
+    from torchrig.checkpoint import core
+
+    rig = _rig()
+    model, _ = trained_mlp(0)
+    rig.save(f"{memory_url}/ck", {"model": model, "step": 1})
+    (before,) = _versions(f"{memory_url}/ck")
+    up = threading.Event()
+    real_put = MemoryFileSystem.put_file
+
+    def put_file(self: Any, lpath: str, rpath: str, *a: Any, **kw: Any) -> Any:
+        done = real_put(self, lpath, rpath, *a, **kw)
+        up.set()
+        return done
+
+    def write_torch(path: Path, fsync: bool, obj: Any) -> str:
+        up.wait(timeout=20)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(MemoryFileSystem, "put_file", put_file)
+    monkeypatch.setattr(core, "write_torch", write_torch)
+    with pytest.raises(CheckpointError, match=r"^saving .*/ck failed before the checkpoint was committed \(OSError"):
+        rig.save(f"{memory_url}/ck", {"model": model, "step": 2})
+    assert up.is_set() and _versions(f"{memory_url}/ck") == [before]
+    assert rig.load(f"{memory_url}/last")["step"] == 1
+
+
 def test_an_upload_without_meta_json_is_never_read(memory_url: str) -> None:
     rig = _rig()
     model, _ = trained_mlp(0)

@@ -163,7 +163,6 @@ def test_a_loaded_position_is_saved_again_as_given_until_the_next_epoch_starts()
     assert handed_on.state_dict()["samples_seen"] == 40
 
 
-
 def _stream_loader(rank: int = 0, shares: int = 1) -> RigDataLoader:
     """Rank ``rank``'s loader of a Hugging Face stream shuffled with a buffer (resumed by replaying
     its epoch) split into ``shares`` (1: read whole), as ``prepare`` makes it on a rank of a run

@@ -49,10 +49,10 @@ def write(
     """Rank zero: write every file into a temp dir, fsync, then rename it into place (``payload``
     passed :func:`check_weights_only`); on object storage, upload it by :func:`remote.commit`'s rule."""
     if isinstance(target, CheckpointURL):
-        with remote.staging() as staged:
-            with uncommitted(staged, lambda: payload_bytes(payload)):  # the local staging copy
-                meta = fill(rig, staged, payload, fsync=False)  # durable once uploaded, removed after
-            remote.commit(staged, target, meta, link=link, keep_last=keep_last)
+        with remote.staging() as staged, remote.Upload(target, link) as upload:
+            with uncommitted(target, lambda: payload_bytes(payload), staged=staged):
+                meta = fill(rig, staged, payload, fsync=False, written=upload.send)  # each file uploaded once written
+            upload.commit(staged, meta, keep_last=keep_last)
         return
     with uncommitted(target, lambda: payload_bytes(payload)):
         tmp = prepare_target(target, link)
@@ -63,10 +63,18 @@ def write(
             raise
 
 
-def fill(rig: Any, tmp: Path, payload: dict[str, Any], *, fsync: bool = True) -> dict[str, Any]:
-    """Write every file of a whole checkpoint into the folder ``tmp`` (each fsynced with ``fsync``);
-    its ``meta.json`` content, which the commit writes last."""
-    with FileSet(tmp, fsync=fsync) as files:
+def fill(
+    rig: Any,
+    tmp: Path,
+    payload: dict[str, Any],
+    *,
+    fsync: bool = True,
+    written: Callable[[Path], None] | None = None,
+) -> dict[str, Any]:
+    """Write every file of a whole checkpoint into the folder ``tmp`` (each fsynced with ``fsync``,
+    ``written(path)`` called once each is written); its ``meta.json`` content, which the commit
+    writes last."""
+    with FileSet(tmp, fsync=fsync, written=written) as files:
         blob, external, where = extract_tensors(payload["blob"])
         names = add_tensor_files(files, STATE_TENSORS, external) if external else []
         blob["external"] = {"files": names, "where": where}

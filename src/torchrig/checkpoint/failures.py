@@ -19,9 +19,12 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def uncommitted(target: Path | CheckpointURL, needed: Callable[[], int]) -> Iterator[None]:
+def uncommitted(
+    target: Path | CheckpointURL, needed: Callable[[], int], *, staged: Path | None = None
+) -> Iterator[None]:
     """Turn a failure of a save before its commit into a :class:`CheckpointError` that says so and
-    that nothing was replaced (a full disk or no inodes named as such, with ``needed()`` bytes).
+    that nothing was replaced (a full disk or no inodes named as such, with ``needed()`` bytes: of
+    the local folder ``staged`` where a checkpoint on object storage is staged for its upload).
 
     Refusals (``CheckpointError``, ``TypeError`` and ``ValueError`` about the state or the path),
     errors after the commit (:func:`torchrig.checkpoint.files.publish`) and interrupts pass through as they are.
@@ -29,24 +32,25 @@ def uncommitted(target: Path | CheckpointURL, needed: Callable[[], int]) -> Iter
     try:
         yield
     except BaseException as err:
-        failure = _not_committed(err, target, needed)
+        failure = _not_committed(err, target, needed, staged)
         if failure is None:
             raise
         raise failure from err
 
 
 def _not_committed(
-    err: BaseException, target: Path | CheckpointURL, needed: Callable[[], int]
+    err: BaseException, target: Path | CheckpointURL, needed: Callable[[], int], staged: Path | None
 ) -> CheckpointError | None:
     if isinstance(err, CheckpointError):  # a refusal, or a failure after the commit saying so
         return None
     if _no_space(err):
-        return _no_space_error(target, needed())
+        if staged is None:
+            return _no_space_error(target.parent, target, needed())
+        where = f"{staged}, where {target} is staged for its upload (TMPDIR sets that folder)"
+        return _no_space_error(staged, where, needed())
     dcp = sys.modules.get("torch.distributed.checkpoint.api")  # DCP's CheckpointException, a BaseException
     dcp_failure = dcp is not None and isinstance(err, dcp.CheckpointException)
-    if isinstance(err, (TypeError, ValueError)) or not (
-        isinstance(err, (OSError, RuntimeError)) or dcp_failure
-    ):
+    if isinstance(err, (TypeError, ValueError)) or not (isinstance(err, (OSError, RuntimeError)) or dcp_failure):
         return None
     return CheckpointError(
         f"saving {target} failed before the checkpoint was committed ({type(err).__name__}: {err}); "
@@ -75,15 +79,16 @@ def _no_space(err: BaseException | None) -> bool:
 _FEW_INODES = 1024  # fewer free than this after a save failed for want of space: inodes ran out
 
 
-def _no_space_error(target: Path | CheckpointURL, needed: int) -> CheckpointError:
-    """What a full disk says: the room the checkpoint needs and what is free, in bytes and inodes
-    (measured once the temp directory is gone); with bytes to spare, it ran out of inodes (or a quota)."""
+def _no_space_error(disk: Path | CheckpointURL, where: object, needed: int) -> CheckpointError:
+    """What a full disk says: the room the checkpoint needs and what is free on the disk of the
+    folder ``disk``, in bytes and inodes (measured once the temp directory is gone), naming
+    ``where``; with bytes to spare, it ran out of inodes (or a quota)."""
     nothing = "nothing was replaced (the previous checkpoint and the link are as they were)"
     try:
-        st = os.statvfs(target.parent)
+        st = os.statvfs(disk)
     except (OSError, AttributeError):  # no statvfs on Windows
         try:
-            free_bytes: int | None = shutil.disk_usage(target.parent).free
+            free_bytes: int | None = shutil.disk_usage(disk).free
         except OSError:
             free_bytes = None
         inodes = None
@@ -91,16 +96,16 @@ def _no_space_error(target: Path | CheckpointURL, needed: int) -> CheckpointErro
         free_bytes, inodes = st.f_bavail * st.f_frsize, (st.f_favail if st.f_files else None)
     if free_bytes is None:
         return CheckpointError(
-            f"no space left on device at {target}: the checkpoint needs about {needed / 1e6:.1f} MB, "
+            f"no space left on device at {where}: the checkpoint needs about {needed / 1e6:.1f} MB, "
             f"free space unknown; {nothing}"
         )
     free = f"{free_bytes / 1e6:.1f} MB free"
     if free_bytes > needed and inodes is not None and inodes < _FEW_INODES:
         return CheckpointError(
-            f"no space left on device at {target}: the file system is out of inodes (room for new files and "
+            f"no space left on device at {where}: the file system is out of inodes (room for new files and "
             f"directories, see `df -i`: {inodes} free), not of space ({free}, the checkpoint needs about "
             f"{needed / 1e6:.1f} MB); remove files there or save elsewhere; {nothing}"
         )
     return CheckpointError(
-        f"no space left on device at {target}: the checkpoint needs about {needed / 1e6:.1f} MB, {free}; {nothing}"
+        f"no space left on device at {where}: the checkpoint needs about {needed / 1e6:.1f} MB, {free}; {nothing}"
     )

@@ -134,28 +134,41 @@ class FileSet:
     """Writes the files of one checkpoint into ``folder`` in parallel; each job returns its SHA-256.
 
     ``fsync=False`` for a folder that is only staged for an upload (object storage makes the
-    checkpoint durable, and the folder is removed after it): its files are not fsynced.
+    checkpoint durable, and the folder is removed after it): its files are not fsynced. With
+    ``written``, ``written(path)`` is called on the writing thread as soon as a file is written
+    and hashed (a staged file's upload starts there, beside the writing of the others).
 
     Example:
         >>> # with FileSet(tmp) as fs: fs.add("state.pt", functools.partial(write_torch, obj=obj)); fs.finish()
     """
 
-    def __init__(self, folder: Path, *, workers: int = 4, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        workers: int = 4,
+        fsync: bool = True,
+        written: Callable[[Path], None] | None = None,
+    ) -> None:
         self.folder = folder
         self.fsync = fsync
+        self._written = written
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="torchrig-ckpt")
-        self._jobs: dict[str, Future[str]] = {}
+        self._jobs: dict[str, Future[dict[str, Any]]] = {}
 
     def add(self, name: str, write: Callable[[Path, bool], str]) -> None:
         """Run ``write(path, fsync) -> sha256`` on a worker thread."""
-        self._jobs[name] = self._pool.submit(write, self.folder / name, self.fsync)
+        self._jobs[name] = self._pool.submit(self._write, self.folder / name, write)
+
+    def _write(self, path: Path, write: Callable[[Path, bool], str]) -> dict[str, Any]:
+        entry = {"sha256": write(path, self.fsync), "size": path.stat().st_size}
+        if self._written is not None:
+            self._written(path)
+        return entry
 
     def finish(self) -> dict[str, dict[str, Any]]:
         """Wait for every write (re-raising the first error, ENOSPC included); the files table."""
-        return {
-            name: {"sha256": job.result(), "size": (self.folder / name).stat().st_size}
-            for name, job in self._jobs.items()
-        }
+        return {name: job.result() for name, job in self._jobs.items()}
 
     def __enter__(self) -> FileSet:
         return self

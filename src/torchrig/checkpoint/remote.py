@@ -25,6 +25,7 @@ downloaded (:func:`fetch_listed`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -158,11 +159,12 @@ def locate(url: CheckpointURL) -> tuple[Any, str, CheckpointURL, bytes]:
     version without ``meta.json`` (a save under way, or killed) is never read.
     """
     fs, root = _filesystem(url)
-    prefix = root
-    pointer = _cat(fs, root, POINTER_LIMIT)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-locate") as pool:
+        listed = pool.submit(_versions, fs, root)  # a checkpoint's own name: its versions, at the same time
+        pointer = _cat(fs, root, POINTER_LIMIT)  # ... as a ``last`` object of that name is looked for
+        versions = listed.result()
     if pointer is not None:
-        prefix = f"{root.rsplit('/', 1)[0]}/{_pointed(pointer, url)}"
-    versions = _versions(fs, prefix)
+        versions = _versions(fs, f"{root.rsplit('/', 1)[0]}/{_pointed(pointer, url)}")
     for version in reversed(versions):
         meta = _cat(fs, f"{version}/{META}", META_LIMIT)
         if meta is not None:
@@ -250,6 +252,15 @@ def _download(fs: Any, version: str, origin: str, files: dict[str, dict[str, Any
                 digests[n] = job.result()
             except FileNotFoundError:
                 missing.append(n)
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+                raise OSError(
+                    errno.ENOSPC,
+                    f"no space left on device in {folder} for {origin}/{n} ({files[n]['size']} bytes): a checkpoint "
+                    "on object storage is downloaded there to be read (TMPDIR sets that folder); make room or set "
+                    "TMPDIR to a disk with space",
+                ) from err
     except BaseException as err:
         stop.set()  # the other transfers end at their next piece; Ctrl-C does not wait even for that
         pool.shutdown(wait=isinstance(err, Exception), cancel_futures=True)
@@ -275,6 +286,7 @@ def _download_one(fs: Any, path: str, local: Path, size: int, shown: str, stop: 
         open(local, "xb") as f,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash") as pool,
     ):
+        _reserve(f, size)
         out = HashingWriter(f)
         written: Future[int] | None = None
         while done <= size:
@@ -293,6 +305,20 @@ def _download_one(fs: Any, path: str, local: Path, size: int, shown: str, stop: 
     if done != size:
         raise wrong_size(shown, done if done < size else int(fs.size(path)), size)
     return digest
+
+
+def _reserve(f: Any, size: int) -> None:
+    """Allocate the ``size`` bytes a download will write to the file ``f`` before it starts: a disk
+    too full for it fails at once (``ENOSPC``), and the writes that follow cost the file system
+    less. Where the file system cannot allocate ahead, the writes allocate as they go."""
+    if size <= 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(f.fileno(), 0, size)
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise
+        # EOPNOTSUPP/EINVAL: a file system without it
 
 
 @contextlib.contextmanager
@@ -376,6 +402,55 @@ def uploaded(target: CheckpointURL, version: str, name: str) -> bytes:
     return bytes(fs.cat_file(f"{root}/{version}/{name}"))
 
 
+_UPLOADS = 8  # files uploaded at once
+
+
+class Upload:
+    """One save of a whole checkpoint on its way to ``target``: its version prefix chosen first
+    (:func:`begin`: a refused name is refused before anything is written), each staged file
+    uploaded as soon as it is written (:meth:`send`, beside the writing of the others; the staged
+    copy removed once it is up), what is left and ``meta.json`` last (:meth:`commit`). Leaving
+    with an error deletes what was uploaded: nothing was committed.
+
+    Example:
+        >>> # with staging() as staged, Upload(url, "last") as up:
+        >>> #     up.commit(staged, fill(staged, written=up.send), keep_last=None)
+    """
+
+    def __init__(self, target: CheckpointURL, link: str | None) -> None:
+        self.target, self.link = target, link
+        self.version = begin(target, link)
+        self._pool = ThreadPoolExecutor(max_workers=_UPLOADS, thread_name_prefix="torchrig-upload")
+        self._sent: list[Future[None]] = []
+
+    def send(self, path: Path) -> None:
+        """Start uploading the staged file ``path`` (it is removed once uploaded)."""
+        self._sent.append(self._pool.submit(self._put, path))
+
+    def _put(self, path: Path) -> None:
+        fs, root = _filesystem(self.target)
+        fs.put_file(str(path), f"{root}/{self.version}/{path.name}")
+        path.unlink()
+
+    def commit(self, staged: Path, meta: dict[str, Any], *, keep_last: int | None) -> None:
+        """Once every file sent is up (the first failure raised), :func:`commit` the rest of ``staged``."""
+        for job in self._sent:
+            job.result()
+        commit(staged, self.target, meta, link=self.link, keep_last=keep_last, version=self.version)
+
+    def __enter__(self) -> Upload:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self._pool.shutdown()
+            return
+        # The other uploads stop; Ctrl-C does not wait for those under way (what one of them
+        # finishes after the clean-up is an uncommitted leftover the next save of the name removes).
+        self._pool.shutdown(wait=issubclass(kind, Exception), cancel_futures=True)
+        abandon(self.target, self.version)
+
+
 def commit(
     staged: Path,
     target: CheckpointURL,
@@ -386,7 +461,8 @@ def commit(
     version: str | None = None,
 ) -> None:
     """Upload the finished checkpoint folder ``staged`` as ``target``: its files under the prefix
-    ``version`` (a new one by default; a sharded save's shards are already there), ``meta`` as
+    ``version`` (a new one by default; a sharded save's shards, or the files an :class:`Upload`
+    sent, are already there and gone from ``staged``), ``meta`` as
     ``meta.json`` last; then the ``link`` object; then older versions and, with ``keep_last``, the
     checkpoints least far in training next to it go (:func:`~torchrig.checkpoint.progress.least_advanced`,
     the order of a local save)."""

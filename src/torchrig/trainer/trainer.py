@@ -230,9 +230,7 @@ class Trainer:
         )
         self.callbacks = settings.callbacks(callbacks, enable_checkpointing, enable_progress_bar)
         if not enable_model_summary and settings.summary_depth(self) != 0:
-            raise ValueError(
-                "enable_model_summary=False, but a ModelSummary is in callbacks; drop one of the two"
-            )
+            raise ValueError("enable_model_summary=False, but a ModelSummary is in callbacks; drop one of the two")
         self.loggers = settings.loggers(logger, self.default_root_dir)
         overfit = settings.batch_limit("overfit_batches", overfit_batches)
         self.fast_dev_run, self.overfit_batches, self.detect_anomaly = debugging.configure(
