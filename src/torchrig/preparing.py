@@ -20,7 +20,14 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from torchrig import speedups
-from torchrig.data import RigDataLoader, loader_kwargs, rebuild_iterable, rebuild_with_sampler, sampler_generator
+from torchrig.data import (
+    RigDataLoader,
+    loader_kwargs,
+    order_sampler,
+    rebuild_iterable,
+    rebuild_with_sampler,
+    sampler_generator,
+)
 from torchrig.precision import check_optimizer_eps
 from torchrig.strategies import Strategy
 from torchrig.strategies.base import reset_parameters
@@ -164,7 +171,7 @@ class Preparing:
         # from it, as in the hand-written loop: no seed is drawn, and under several processes rank 0's
         # state of it becomes every rank's, so the ranks split one order.
         generator = sampler_generator(loader)
-        shuffles = isinstance(loader.sampler, RandomSampler) and generator is None
+        shuffles = type(order_sampler(loader)) is RandomSampler and generator is None
         seed = self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item())) if shuffles else 0
         pin = self.device.type not in ("cpu", "mps")
         if generator is not None and self.world_size > 1:

@@ -287,11 +287,11 @@ def test_the_loaders_own_generator_is_saved_and_restored_with_the_epoch(tmp_path
 
 
 @pytest.mark.parametrize("kind", ["weighted", "random"])
-def test_a_samplers_own_generator_is_not_in_the_checkpoint(kind: str) -> None:
-    """docs/data.md, "Not exact": a sampler given its own ``torch.Generator`` draws the resumed
-    epoch from whatever state that generator has in the new process (the checkpoint does not
-    hold it). A ``RandomSampler`` is the exception: ``prepare`` replaces it by a ``ResumableSampler``
-    that draws from its generator and saves that generator's state with the epoch, so it resumes exactly."""
+def test_a_samplers_own_generator_is_in_the_checkpoint(kind: str) -> None:
+    """docs/data.md, "Exact": a sampler given its own ``torch.Generator`` has that generator's
+    state at the epoch's start saved with the position, so the resumed epoch is drawn again from
+    it, not from the state the generator has in the new process (a ``RandomSampler``, which
+    ``prepare`` replaces by a ``ResumableSampler`` drawing from the same generator, too)."""
 
     def make() -> RigDataLoader:
         g = torch.Generator().manual_seed(1)
@@ -312,4 +312,4 @@ def test_a_samplers_own_generator_is_not_in_the_checkpoint(kind: str) -> None:
     resumed.load_state_dict(state)
     again = _ids(list(resumed))
     assert len(again) == len(rest) == 3
-    assert (again == rest) is (kind == "random")  # weighted: epoch 0's order again, not epoch 1's
+    assert again == rest  # epoch 1's order, not epoch 0's again (the generator's state in the new process)

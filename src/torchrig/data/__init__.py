@@ -9,11 +9,13 @@ uninterrupted run would have seen (docs/data.md says what is exact for each kind
 - ``samplers``: the index orders (:class:`ResumableSampler`, the skipped rest of an epoch);
 - ``iterable``: iterable datasets: their position through torchdata's StatefulDataLoader, and
   each process's share of a stream;
-- ``loader``: :class:`RigDataLoader` and rebuilding a user's DataLoader.
+- ``rebuild``: rebuilding a user's DataLoader with a :class:`ResumableSampler`;
+- ``loader``: :class:`RigDataLoader`, the epoch, its RNG state, saving and resuming its position.
 """
 
 from torchrig.data.iterable import SHARD_HOOK, rebuild_iterable
-from torchrig.data.loader import RigDataLoader, length_of, loader_kwargs, rebuild_with_sampler, sampler_generator
+from torchrig.data.loader import RigDataLoader, length_of
+from torchrig.data.rebuild import loader_kwargs, order_sampler, rebuild_with_sampler, sampler_generator
 from torchrig.data.samplers import ResumableSampler, ResumedIndices
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "RigDataLoader",
     "length_of",
     "loader_kwargs",
+    "order_sampler",
     "rebuild_iterable",
     "rebuild_with_sampler",
     "sampler_generator",

@@ -1,5 +1,5 @@
-"""The prepared loader (:class:`RigDataLoader`) and rebuilding a user's DataLoader with a
-:class:`~torchrig.data.samplers.ResumableSampler`."""
+"""The prepared loader (:class:`RigDataLoader`): the epoch, its RNG state, saving and resuming
+its position, and reading a stream one batch ahead."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset
 
 from torchrig.data.iterable import is_stateful, is_stateful_loader, keeps_position, shuffle_buffer
+from torchrig.data.rebuild import loader_kwargs, order_sampler
 from torchrig.data.samplers import ResumableSampler, ResumedIndices
 from torchrig.nested import move_batch
 
@@ -19,7 +20,7 @@ from torchrig.nested import move_batch
 #: its rank's chunk of each list (one value, its own, when saved by as many processes as it runs
 #: with) and saves the chunks of every rank joined in rank order: a list from another number of
 #: processes is saved again as given.
-_PER_RANK = ("epoch_rng", "loader_state")
+_PER_RANK = ("epoch_rng", "loader_state", "generator_states")
 
 
 def _chunk(values: list[Any], rank: int, world: int) -> list[Any]:
@@ -36,64 +37,6 @@ def length_of(loader: Any) -> int | float:
         return len(loader) if isinstance(loader, Sized) else math.inf
     except TypeError:
         return math.inf
-
-
-def loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
-    """The keyword arguments ``loader`` was built with, other than its dataset, batching and
-    sampling (workers, collate_fn, pinning...): what a rebuilt copy of it passes on."""
-    kw: dict[str, Any] = {
-        "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
-        "persistent_workers": loader.persistent_workers,
-    }
-    if loader.num_workers > 0:
-        kw["prefetch_factor"] = loader.prefetch_factor
-    if getattr(loader, "pin_memory_device", ""):
-        kw["pin_memory_device"] = loader.pin_memory_device
-    return kw
-
-
-def sampler_generator(loader: DataLoader[Any]) -> torch.Generator | None:
-    """The generator ``loader``'s ``RandomSampler`` draws its order from (``DataLoader(shuffle=True,
-    generator=g)`` gives it ``g``), which its rebuilt :class:`ResumableSampler` honours; None for
-    any other sampler, or one without a generator (its order then comes from the run's seed)."""
-    return loader.sampler.generator if isinstance(loader.sampler, RandomSampler) else None
-
-
-def rebuild_with_sampler(
-    loader: DataLoader[Any], *, seed: int, num_replicas: int, rank: int, pin_memory: bool
-) -> DataLoader[Any] | None:
-    """The same loader with a :class:`ResumableSampler`; None when it cannot be rebuilt.
-
-    Loaders with a custom batch sampler, an iterable dataset, or a sampler that is neither
-    random nor sequential are left alone (their order is theirs to control).
-    """
-    bs = loader.batch_sampler
-    if not isinstance(bs, BatchSampler) or type(bs) is not BatchSampler:
-        return None
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
-        return None
-    if isinstance(loader.sampler, RandomSampler) and (
-        loader.sampler.replacement or loader.sampler._num_samples is not None
-    ):
-        return None
-    sampler = ResumableSampler(
-        loader.dataset,  # type: ignore[arg-type]
-        shuffle=isinstance(loader.sampler, RandomSampler),
-        seed=seed,
-        num_replicas=num_replicas,
-        rank=rank,
-        drop_last=bs.drop_last,
-        generator=sampler_generator(loader),
-    )
-    kw = loader_kwargs(loader)
-    kw["pin_memory"] = kw["pin_memory"] or pin_memory
-    return DataLoader(loader.dataset, batch_size=bs.batch_size, sampler=sampler, drop_last=bs.drop_last, **kw)
 
 
 class RigDataLoader:
@@ -228,12 +171,7 @@ class RigDataLoader:
             own = loaded.get("loader_state") or [None]  # (this rank's chunk: its own value, as the count matched)
             it = iter(()) if loaded.get("ended") else self._resumed_epoch(skip, own[0])
         else:
-            generator = self.loader.generator
-            self._epoch_rng = {
-                "torch": torch.get_rng_state(),
-                "generator": None if generator is None else generator.get_state(),
-            }
-            self._epoch_rng.update((key, g.get_state()) for key, g in self._own_generators().items())
+            self._epoch_rng = {"torch": torch.get_rng_state(), "generator": None, **self._generator_states()}
             it = iter(self.loader)
         self.at_last_batch = False
         if self.look_ahead and math.isinf(length_of(self.loader)):
@@ -306,11 +244,8 @@ class RigDataLoader:
         workers' seed and a random sampler's order are drawn then) and given back after, so the
         RNG stream of the run continues from the checkpoint's state."""
         loader, rng = self.loader, self._epoch_rng
-        # (.cpu(): a checkpoint loaded with map_location on an accelerator brings the states there)
-        generators = {"generator": loader.generator, **self._own_generators()}
-        for key, generator in generators.items():
-            if rng is not None and rng.get(key) is not None and generator is not None:
-                generator.set_state(rng[key].cpu())
+        if rng is not None:
+            self._set_generator_states(rng)
         with torch.random.fork_rng(devices=[]):
             if rng is not None and rng.get("torch") is not None:
                 torch.set_rng_state(rng["torch"].cpu())
@@ -336,13 +271,38 @@ class RigDataLoader:
             indices.start()  # the order is drawn here, from the epoch's state
             return it
 
+    def _generators(self) -> dict[str, torch.Generator]:
+        """The generators the loader draws from besides torch's: its own (``generator``, the
+        workers' base seed and a ``shuffle=True`` order) and :meth:`_own_generators`."""
+        generator = self.loader.generator
+        return {**({} if generator is None else {"generator": generator}), **self._own_generators()}
+
+    def _generator_states(self) -> dict[str, torch.Tensor]:
+        return {key: generator.get_state() for key, generator in self._generators().items()}
+
+    def _set_generator_states(self, states: dict[str, Any]) -> None:
+        # (.cpu(): a checkpoint loaded with map_location on an accelerator brings the states there)
+        for key, generator in self._generators().items():
+            if states.get(key) is not None:
+                generator.set_state(states[key].cpu())
+
     def _own_generators(self) -> dict[str, torch.Generator]:
-        """The generator a :class:`ResumableSampler` draws its order from, when it is not the
-        loader's own (``sampler=RandomSampler(data, generator=g)``): its state is saved with the
-        epoch's as ``sampler_generator``."""
-        sampler = self.loader.sampler
-        generator = sampler.generator if isinstance(sampler, ResumableSampler) else None
-        return {} if generator is None or generator is self.loader.generator else {"sampler_generator": generator}
+        """The generators the loader's index order draws from, other than the loader's own
+        ``generator=``: its sampler's (a :class:`ResumableSampler` honouring a ``RandomSampler``'s,
+        a ``WeightedRandomSampler(..., generator=g)``, ``SubsetRandomSampler``, ``RandomSampler``
+        with replacement..., also inside torch's ``BatchSampler``) as ``sampler_generator``, and a
+        batch sampler's own ``generator`` as ``batch_sampler_generator``. Their states are saved with
+        the epoch's, so a resumed epoch draws its order again from the states it started with."""
+        loader = self.loader
+        found = {"sampler_generator": order_sampler(loader), "batch_sampler_generator": loader.batch_sampler}
+        own: dict[str, torch.Generator] = {}
+        for key, holder in found.items():
+            generator = getattr(holder, "generator", None)
+            if isinstance(generator, torch.Generator) and all(
+                generator is not g for g in (loader.generator, *own.values())
+            ):
+                own[key] = generator
+        return own
 
     def _shared_generator_states(self, rngs: list[dict[str, Any]] | None) -> dict[str, Any] | None:
         """From every rank's ``epoch_rng`` saved by another number of processes, what still serves
@@ -422,6 +382,9 @@ class RigDataLoader:
         state: dict[str, Any] = {"epoch": self.epoch, "batches_seen": batches_seen, "seed": self.seed}
         if self._epoch_rng is not None:
             state["epoch_rng"] = [self._epoch_rng]
+        now = self._generator_states()
+        if now:  # (where the next epoch's order starts: one read to its end has moved them on)
+            state["generator_states"] = [now]
         if loader_state is not None:
             state["loader_state"] = [loader_state]
         if self.shares is not None:
@@ -468,6 +431,11 @@ class RigDataLoader:
             epoch, seen = self._batches_for(state, epoch, sampler)
         if epoch >= 0 and seen >= length_of(self.loader):
             epoch, seen = epoch + 1, 0
+        nows = state.get("generator_states") or []
+        if epoch > int(state["epoch"]) and len(nows) == world:
+            # Resumed at the start of the next epoch: the generators of the order go on from their
+            # states when it was saved, after the saved epoch drew from them (its start's would draw it again).
+            self._set_generator_states(nows[rank])
         self._resume_at = (max(epoch, 0), seen)
         self.epoch, self.batches_seen = epoch, seen
 

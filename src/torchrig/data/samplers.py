@@ -79,19 +79,44 @@ class ResumableSampler(Sampler[int]):
         return self.num_samples
 
 
-def _skipped(index_sampler: Iterable[Any], skip: int) -> Iterator[Any]:
-    """``iter(index_sampler)`` after its first ``skip`` items, skipped without a Python step each.
+class _Skipping:
+    """One iteration of ``index_sampler`` after its first ``skip`` items, skipped without a Python
+    step each at :meth:`start` (or the first ``next()``).
 
-    torch's own ``BatchSampler`` skips ``skip x batch_size`` indices of its sampler instead of
-    building the skipped batches (the cost of a resume then hardly grows with how far into the
-    epoch it is), and batches the rest as it would (``drop_last`` included)."""
-    if type(index_sampler) is BatchSampler:
-        indices = iter(index_sampler.sampler)
-        deque(islice(indices, skip * index_sampler.batch_size), maxlen=0)
-        return _batched(indices, index_sampler.batch_size, index_sampler.drop_last)
-    it = iter(index_sampler)
-    deque(islice(it, skip), maxlen=0)
-    return it
+    Made when the DataLoader calls ``iter()`` on its index sampler, it calls ``iter(index_sampler)``
+    right then, as the DataLoader would: a sampler that draws its order in ``__iter__`` itself (a
+    bucketing batch sampler's ``randperm`` before it returns ``iter(batches)``) draws it at the
+    moment it did when the epoch first ran, before the workers' seed; one whose ``__iter__`` is a
+    generator draws at the first item. torch's own ``BatchSampler`` (a generator, which calls
+    ``iter()`` on its sampler at its first item) skips ``skip x batch_size`` indices of its sampler
+    instead of building the skipped batches (the cost of a resume then hardly grows with how far
+    into the epoch it is), and batches the rest as it would (``drop_last`` included)."""
+
+    def __init__(self, index_sampler: Iterable[Any], skip: int) -> None:
+        self.index_sampler, self.skip = index_sampler, skip
+        self._by_index = type(index_sampler) is BatchSampler
+        self._items: Iterator[Any] | None = None if self._by_index else iter(index_sampler)
+        self._rest: Iterator[Any] | None = None
+
+    def start(self) -> None:
+        if self._rest is not None:
+            return
+        if isinstance(self.index_sampler, BatchSampler) and self._by_index:
+            indices = iter(self.index_sampler.sampler)
+            deque(islice(indices, self.skip * self.index_sampler.batch_size), maxlen=0)
+            self._rest = _batched(indices, self.index_sampler.batch_size, self.index_sampler.drop_last)
+        else:
+            assert self._items is not None
+            deque(islice(self._items, self.skip), maxlen=0)
+            self._rest = self._items
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        self.start()
+        assert self._rest is not None
+        return next(self._rest)
 
 
 def _batched(indices: Iterator[int], size: int, drop_last: bool) -> Iterator[list[int]]:
@@ -106,26 +131,31 @@ class ResumedIndices:
     """The rest of an epoch of ``index_sampler`` (a batch sampler, or a sampler without
     batching) after its first ``skip`` items: skipped as indices, no sample is read for them.
 
-    :meth:`start` draws the epoch's order (a sampler drawing from torch's RNG draws then) and
-    skips; the loader calls it right after it starts the epoch's DataLoader iterator, while the
-    RNG holds the epoch's state. Every ``iter()`` continues the same started order, as a
-    DataLoader may call ``iter()`` on its index sampler more than once per epoch."""
+    Each ``iter()`` (a DataLoader calls it once or twice an epoch, as it calls it on its own index
+    sampler) iterates ``index_sampler`` anew from its start, at the moment the DataLoader would
+    (:class:`_Skipping`), so a sampler drawing its order from torch's RNG draws it as the epoch
+    first did. :meth:`start` skips in the latest iteration (making one when there is none yet,
+    which the next ``iter()`` then gives out): the loader calls it right after it starts the
+    epoch's DataLoader iterator, while the RNG holds the epoch's state, so a sampler drawing at
+    its first item draws then, not at the first batch the loop asks for."""
 
     def __init__(self, index_sampler: Iterable[Any], skip: int) -> None:
         self.index_sampler = index_sampler
         self.skip = skip
-        self._it: Iterator[Any] | None = None
+        self._it: _Skipping | None = None
+        self._unclaimed = False  # started by start() before any iter(): the next iter() takes it
 
     def start(self) -> None:
         if self._it is None:
-            self._it = _skipped(self.index_sampler, self.skip)
+            self._it, self._unclaimed = _Skipping(self.index_sampler, self.skip), True
+        self._it.start()
 
     def __iter__(self) -> Iterator[Any]:
-        # Lazy, as a sampler's own iterator is: the DataLoader calls iter() before it draws the
-        # workers' seed, and a sampler draws its order only at the first next(), after that seed.
-        self.start()
+        if not self._unclaimed:
+            self._it = _Skipping(self.index_sampler, self.skip)
+        self._unclaimed = False
         assert self._it is not None
-        yield from self._it
+        return self._it
 
     def __len__(self) -> int:
         return max(len(self.index_sampler) - self.skip, 0)  # type: ignore[arg-type]
