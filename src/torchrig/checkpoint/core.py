@@ -208,8 +208,10 @@ def _start_whole(
     if not rig.is_global_zero:
         return None
     check_weights_only(payload["blob"])  # fails before any file is touched
-    if not isinstance(target, CheckpointURL):  # object storage has its own rule (remote.commit)
-        check_target(target, link)  # here too, so a background save is refused at once
+    if isinstance(target, CheckpointURL):  # here too, so a background save is refused at once
+        remote.check_target(target, link)
+    else:
+        check_target(target, link)
     ready: Callable[[], None] | None = None
     if not blocking:
         optimizers = {k: getattr(o, "optimizer", o) for k, o in state.items() if isinstance(o, torch.optim.Optimizer)}
