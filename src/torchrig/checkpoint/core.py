@@ -49,9 +49,12 @@ def write(
     """Rank zero: write every file into a temp dir, fsync, then rename it into place (``payload``
     passed :func:`check_weights_only`); on object storage, upload it by :func:`remote.commit`'s rule."""
     if isinstance(target, CheckpointURL):
-        with remote.staging() as staged, remote.Upload(target, link) as upload:
-            with uncommitted(target, lambda: payload_bytes(payload), staged=staged):
-                meta = fill(rig, staged, payload, fsync=False, written=upload.send)  # each file uploaded once written
+        with (
+            remote.staging() as staged,
+            remote.Upload(target, link) as upload,
+            uncommitted(target, lambda: payload_bytes(payload), staged=staged),  # a failure after the commit says so
+        ):
+            meta = fill(rig, staged, payload, fsync=False, written=upload.send)  # each file uploaded once written
             upload.commit(staged, meta, keep_last=keep_last)
         return
     with uncommitted(target, lambda: payload_bytes(payload)):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.failures import link_not_moved, not_pruned
 from torchrig.checkpoint.meta import META
 from torchrig.checkpoint.progress import checkpoints_beside, least_advanced, next_save_count, progress
 from torchrig.checkpoint.reading import not_a_checkpoint, read_meta_quiet, sha256_file
@@ -371,21 +372,12 @@ def publish(tmp: Path, target: Path, meta: dict[str, Any], *, link: str | None, 
         try:
             update_link(target, link)
         except (OSError, CheckpointError) as err:
-            was = f"still points at {before!r}" if before is not None else "was not made"
-            raise CheckpointError(
-                f"the checkpoint {target} was committed, but the {link!r} link was not moved to it "
-                f"({type(err).__name__}: {err}); {where} {was}. Load {target} by its name; the next save "
-                "moves the link"
-            ) from err
+            raise link_not_moved(target, link, before, err) from err
     if keep_last is not None:
         try:
             apply_retention(target, keep_last)
         except OSError as err:
-            moved = f" and the {link!r} link points at it" if link else ""
-            raise CheckpointError(
-                f"the checkpoint {target} was committed{moved}, but removing older checkpoints "
-                f"(keep_last={keep_last}) failed ({type(err).__name__}: {err}); the next save tries again"
-            ) from err
+            raise not_pruned(target, link, keep_last, err) from err
 
 
 def update_link(target: Path, name: str) -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.failures import link_not_moved, not_pruned
 from torchrig.checkpoint.files import HashingWriter, resolve_checkpoint
 from torchrig.checkpoint.meta import META, META_LIMIT
 from torchrig.checkpoint.progress import least_advanced, next_save_count
@@ -424,9 +425,11 @@ def begin(target: CheckpointURL, link: str | None) -> str:
 
 
 def abandon(target: CheckpointURL, version: str) -> None:
-    """Delete what a save that failed uploaded under ``version`` of ``target`` (never committed)."""
+    """Delete what a save that failed uploaded under ``version`` of ``target``, unless it was
+    committed (a failure after its ``meta.json``: the link, retention) and is the checkpoint now."""
     fs, root = _filesystem(target)
-    _remove(fs, f"{root}/{version}")
+    if _cat(fs, f"{root}/{version}/{META}", 0) is None:
+        _remove(fs, f"{root}/{version}")
 
 
 def uploaded(target: CheckpointURL, version: str, name: str) -> bytes:
@@ -512,14 +515,31 @@ def commit(
     except BaseException:
         _remove(fs, prefix)  # nothing of an upload that failed stays
         raise
+    # Committed: what fails from here on says so, and nothing deletes the new version.
     if link is not None:
-        fs.pipe_file(f"{root.rsplit('/', 1)[0]}/{link}", json.dumps({"checkpoint": target.name}).encode())
-    for old in _versions(fs, root):
-        if old < prefix:
-            _remove(fs, old)
-    if keep_last is not None:
-        for name in least_advanced(beside, keep_last):
-            _remove_name(fs, name)
+        at = f"{root.rsplit('/', 1)[0]}/{link}"
+        try:
+            fs.pipe_file(at, json.dumps({"checkpoint": target.name}).encode())
+        except Exception as err:
+            raise link_not_moved(target, link, _still_pointed(fs, at), err) from err
+    try:
+        for old in _versions(fs, root):
+            if old < prefix:
+                _remove(fs, old)
+        if keep_last is not None:
+            for name in least_advanced(beside, keep_last):
+                _remove_name(fs, name)
+    except Exception as err:
+        raise not_pruned(target, link, keep_last, err) from err
+
+
+def _still_pointed(fs: Any, at: str) -> str | None:
+    """The name the ``last`` object at ``at`` holds after a write of it failed (None: none, or unknown)."""
+    try:
+        raw = _cat(fs, at, POINTER_LIMIT)
+        return None if raw is None else _pointed(raw, at)
+    except Exception:
+        return None
 
 
 def _committed_beside(fs: Any, root: str) -> list[tuple[dict[str, Any], str]]:
