@@ -21,6 +21,7 @@ from torchrig.checkpoint.failures import uncommitted
 from torchrig.checkpoint.files import (
     FileSet,
     discard,
+    folder_identity,
     prepare_target,
     publish,
     write_torch,
@@ -272,8 +273,30 @@ def load(
     """
     arguments.path("path", path)
     settle_pending(rig)  # a save running in the background first (it may be the one loaded)
-    with remote.fetched(path, sharded.first_files) as folder:  # a rank's shards come as DCP plans its reads
-        return _load_folder(rig, folder, state, strict, map_location=map_location, verify=verify, prepare=prepare)
+    for reads_left in reversed(range(_READS)):
+        with remote.fetched(path, sharded.first_files) as folder:  # a rank's shards come as DCP plans its reads
+            try:
+                return _load_folder(
+                    rig, folder, state, strict, map_location=map_location, verify=verify, prepare=prepare
+                )
+            except _ReplacedWhileReadError as replaced:
+                if not reads_left:
+                    raise CheckpointError(
+                        f"{path} was replaced by another save each of the {_READS} times it was read (a process "
+                        f"is saving there: {type(replaced.error).__name__}: {replaced.error}); load it again"
+                    ) from replaced.error
+    raise AssertionError("unreachable")
+
+
+_READS = 5  # reads of a checkpoint that another process replaces (or removes) while it is read
+
+
+class _ReplacedWhileReadError(Exception):
+    """The checkpoint folder was replaced or removed (by a save of another process) while it was
+    read, before anything was loaded: ``error`` is what reading it met (``load`` reads it again)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 def _load_folder(
@@ -286,7 +309,11 @@ def _load_folder(
     verify: bool,
     prepare: Callable[[dict[str, Any]], None] | None,
 ) -> dict[str, Any]:
-    meta = read_meta(folder)
+    same = folder_identity(folder)
+    try:
+        meta = read_meta(folder)
+    except (CheckpointError, OSError) as err:
+        raise (err if folder_identity(folder) == same else _ReplacedWhileReadError(err)) from None
     if state is not None and not isinstance(state, dict):
         raise TypeError(f"load() takes state as a dict of the objects to fill, got {type(state)}")
     device = torch.device(map_location) if map_location is not None else rig.device
@@ -295,7 +322,14 @@ def _load_folder(
         return update_values(state, loaded)
     entries: dict[str, dict[str, Any]] = meta["entries"]
     check_entries(folder, entries, state, strict)
-    blob, tensors = read_whole(folder, meta, device, verify=verify)
+    try:
+        blob, tensors = read_whole(folder, meta, device, verify=verify)
+    except (CheckpointError, OSError) as err:  # a file removed or swapped by a save replacing the folder?
+        if folder_identity(folder) == same:
+            raise
+        raise _ReplacedWhileReadError(err) from None
+    if folder_identity(folder) != same:  # files of two checkpoints may have been read: read it again
+        raise _ReplacedWhileReadError(CheckpointError(f"{folder} was replaced while it was read; load it again"))
     if prepare is not None and state is not None:
         prepare(blob["values"])
         check_entries(folder, entries, state, strict)  # what prepare added

@@ -467,10 +467,13 @@ def _alive(pid: int) -> bool:
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """The checkpoint directory at ``path`` (following a ``last`` link); errors say what is there."""
+    """The checkpoint directory at ``path``, a ``last`` link followed once, here (a reader opens
+    the files of the checkpoint it named, even if the link moves meanwhile); errors say what is there."""
     p = Path(path)
-    if p.is_symlink() and not p.exists():  # ``last`` -> NAME while a save replaces NAME: NAME's old copy
-        p = p.parent / os.readlink(p)
+    for _ in range(_LINKS):
+        if not p.is_symlink():
+            break
+        p = p.parent / os.readlink(p)  # ``last`` -> NAME, NAME itself even while a save replaces it
     if p.is_dir():
         if not os.path.lexists(p / META):  # a meta.json that is not a regular file is refused by read_meta
             raise CheckpointError(
@@ -491,6 +494,20 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         )
         return old
     raise FileNotFoundError(f"no checkpoint at {p}")
+
+
+_LINKS = 40  # links followed at most (the kernel's own limit)
+
+
+def folder_identity(folder: Path) -> tuple[int, int, int] | None:
+    """What says ``folder`` is still the directory it was (None when it is gone): a save that
+    replaces a checkpoint swaps a new directory in under the same name. Its device, inode and
+    change time: a file system may give a new directory the inode number of one just removed."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def _glob(folder: Path, pattern: str) -> list[Path]:
