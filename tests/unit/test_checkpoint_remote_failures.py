@@ -24,13 +24,16 @@ from torchrig.checkpoint import CheckpointError
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.timeout(90)]  # FSDP in one process
 
 
-def _model(rig: torchrig.Rig) -> tuple[nn.Module, torch.optim.Optimizer]:
+@pytest.fixture(params=["auto", "fsdp"])  # whole checkpoints, and sharded ones through DCP
+def run(request: pytest.FixtureRequest) -> tuple[torchrig.Rig, dict[str, Any]]:
+    """A rig of each strategy and the state of a small model and its AdamW after one step."""
+    rig = torchrig.Rig(accelerator="cpu", strategy=request.param)
     torch.manual_seed(0)
     model = rig.prepare(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
     optimizer = rig.prepare(torch.optim.AdamW(model.parameters(), lr=0.1))
     rig.backward(model(torch.randn(3, 4)).square().mean())
     optimizer.step()
-    return model, optimizer
+    return rig, {"model": model, "optimizer": optimizer}
 
 
 def _fail(monkeypatch: pytest.MonkeyPatch, method: str, where: str, error: Exception) -> None:
@@ -45,21 +48,27 @@ def _fail(monkeypatch: pytest.MonkeyPatch, method: str, where: str, error: Excep
     monkeypatch.setattr(MemoryFileSystem, method, failing)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def _refused(
+    monkeypatch: pytest.MonkeyPatch, failing: tuple[str, str, Exception], rig: torchrig.Rig, url: str, **kwargs: Any
+) -> str:
+    """What ``rig.save(url, **kwargs)`` raises while ``failing`` (method, path part, error) fails."""
+    with monkeypatch.context() as m:
+        _fail(m, *failing)
+        with pytest.raises(CheckpointError) as err:
+            rig.save(url, **kwargs)
+    return str(err.value)
+
+
 def test_a_delete_failing_after_the_commit_keeps_the_new_checkpoint(
-    memory_url: str, monkeypatch: pytest.MonkeyPatch, strategy: str
+    memory_url: str, monkeypatch: pytest.MonkeyPatch, run: tuple[torchrig.Rig, dict[str, Any]]
 ) -> None:
-    rig = torchrig.Rig(accelerator="cpu", strategy=strategy)
-    model, optimizer = _model(rig)
-    state = {"model": model, "optimizer": optimizer}
+    rig, state = run
     rig.save(f"{memory_url}/old", {**state, "step": 0})
     rig.save(f"{memory_url}/ck", {**state, "step": 1})
-    with monkeypatch.context() as m:
-        _fail(m, "rm_file", "/old/", ConnectionError("503 SlowDown"))  # keep_last=1 drops 'old': it fails once
-        with pytest.raises(CheckpointError) as err:
-            rig.save(f"{memory_url}/ck", {**state, "step": 2}, keep_last=1)
+    failing = ("rm_file", "/old/", ConnectionError("503 SlowDown"))  # keep_last=1 drops 'old': it fails once
+    message = _refused(monkeypatch, failing, rig, f"{memory_url}/ck", state={**state, "step": 2}, keep_last=1)
     assert rig.load(f"{memory_url}/last", state)["step"] == 2  # the new one, not nothing
-    assert str(err.value) == (
+    assert message == (
         f"the checkpoint {memory_url}/ck was committed and the 'last' link points at it, but removing older "
         "checkpoints (keep_last=1) failed (ConnectionError: 503 SlowDown); the next save tries again"
     )
@@ -71,19 +80,14 @@ def test_a_delete_failing_after_the_commit_keeps_the_new_checkpoint(
     assert rig.load(f"{memory_url}/last", state)["step"] == 3
 
 
-@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
 def test_a_link_write_failing_after_the_commit_says_where_the_link_points(
-    memory_url: str, monkeypatch: pytest.MonkeyPatch, strategy: str
+    memory_url: str, monkeypatch: pytest.MonkeyPatch, run: tuple[torchrig.Rig, dict[str, Any]]
 ) -> None:
-    rig = torchrig.Rig(accelerator="cpu", strategy=strategy)
-    model, optimizer = _model(rig)
-    state = {"model": model, "optimizer": optimizer}
+    rig, state = run
     rig.save(f"{memory_url}/step-1", {**state, "step": 1})
-    with monkeypatch.context() as m:
-        _fail(m, "pipe_file", "/last", PermissionError("AccessDenied"))
-        with pytest.raises(CheckpointError) as err:
-            rig.save(f"{memory_url}/step-2", {**state, "step": 2})
-    assert str(err.value) == (
+    failing = ("pipe_file", "/last", PermissionError("AccessDenied"))
+    message = _refused(monkeypatch, failing, rig, f"{memory_url}/step-2", state={**state, "step": 2})
+    assert message == (
         f"the checkpoint {memory_url}/step-2 was committed, but the 'last' link was not moved to it "
         f"(PermissionError: AccessDenied); {memory_url}/last still points at 'step-1'. Load {memory_url}/step-2 by "
         "its name; the next save moves the link"
@@ -92,20 +96,15 @@ def test_a_link_write_failing_after_the_commit_says_where_the_link_points(
     assert rig.load(f"{memory_url}/last", state)["step"] == 1
 
 
-@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
 def test_an_upload_failing_before_the_commit_says_nothing_was_replaced(
-    memory_url: str, monkeypatch: pytest.MonkeyPatch, strategy: str
+    memory_url: str, monkeypatch: pytest.MonkeyPatch, run: tuple[torchrig.Rig, dict[str, Any]]
 ) -> None:
-    rig = torchrig.Rig(accelerator="cpu", strategy=strategy)
-    model, optimizer = _model(rig)
-    state = {"model": model, "optimizer": optimizer}
+    rig, state = run
     rig.save(f"{memory_url}/ck", {**state, "step": 1})
     before = sorted(MemoryFileSystem().find(memory_url.removeprefix("memory://")))
-    with monkeypatch.context() as m:
-        _fail(m, "put_file", "/state.pt", ConnectionError("connection reset by peer"))
-        with pytest.raises(CheckpointError) as err:
-            rig.save(f"{memory_url}/ck", {**state, "step": 2})
-    assert str(err.value) == (
+    failing = ("put_file", "/state.pt", ConnectionError("connection reset by peer"))
+    message = _refused(monkeypatch, failing, rig, f"{memory_url}/ck", state={**state, "step": 2})
+    assert message == (
         f"saving {memory_url}/ck failed before the checkpoint was committed (ConnectionError: connection reset by "
         "peer); nothing was replaced (the previous checkpoint and the link are as they were)"
     )
