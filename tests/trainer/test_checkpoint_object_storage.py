@@ -53,3 +53,27 @@ def test_a_fit_resumes_from_object_storage_exactly(tmp_path: Path, memory_url: s
 def test_default_root_dir_on_object_storage_is_refused_with_the_way(memory_url: str) -> None:
     with pytest.raises(ValueError, match=r"logs are written to a local folder; .*ModelCheckpoint\(dirpath='memory://"):
         torchrig.Trainer(default_root_dir=memory_url, accelerator="cpu")
+
+
+def test_model_checkpoint_keeps_the_users_objects_in_its_folder(tmp_path: Path, memory_url: str) -> None:
+    fs = fsspec.filesystem("memory")
+    run = f"{memory_url.removeprefix('memory://')}/run"
+    fs.pipe_file(f"{run}/config.yaml", b"lr: 0.1\n")  # the user's, beside the checkpoints
+    _fit(tmp_path / "a", f"{memory_url}/run", 1)
+    fs.pipe_file(f"{run}/epoch=0-step=4/NOTES.md", b"mine")  # the user's, put inside a checkpoint's name
+    cb, _ = _fit(tmp_path / "b", f"{memory_url}/run", 2, ckpt_path="last")  # save_top_k=1 drops epoch 0's
+    assert cb.last_model_path == f"{memory_url}/run/epoch=1-step=8"
+    assert sorted(fs.find(f"{run}/epoch=0-step=4")) == [f"{run}/epoch=0-step=4/NOTES.md"]  # only its versions went
+    assert fs.cat_file(f"{run}/config.yaml") == b"lr: 0.1\n"
+    assert fs.cat_file(f"{run}/epoch=0-step=4/NOTES.md") == b"mine"
+
+    fs.pipe_file(f"{run}/epoch=2-step=12/README", b"also mine")  # where the next save goes: refused, kept
+    with pytest.raises(torchrig.checkpoint.CheckpointError) as err:
+        _fit(tmp_path / "c", f"{memory_url}/run", 3, ckpt_path="last")
+    assert str(err.value).startswith(
+        f"cannot save to {memory_url}/run/epoch=2-step=12: the prefix {memory_url}/run/epoch=2-step=12/ holds objects "
+        "that are not a torchrig checkpoint's ('README'); only a new name or a torchrig checkpoint"
+    )
+    assert fs.cat_file(f"{run}/epoch=2-step=12/README") == b"also mine"
+    assert fs.cat_file(f"{run}/last") == b'{"checkpoint": "epoch=1-step=8"}'  # not moved
+    assert torchrig.checkpoint.describe(f"{memory_url}/run/last")["step"] == 8

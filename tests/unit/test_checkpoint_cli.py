@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import torchrig
+from torchrig.checkpoint.errors import DamagedCheckpointError
 from torchrig.cli import main
 
 
@@ -100,3 +101,24 @@ def test_consolidate_refuses_an_out_it_cannot_write_and_leaves_everything_as_it_
         assert error in err and err.count("\n") == 1, err
         assert _listing(tmp_path) == before, out  # no temporary file left, the checkpoint unchanged
     assert main(["checkpoint", "inspect", str(saved)]) == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP in one process
+def test_a_damaged_shard_is_damage_exit_1_and_a_damaged_checkpoint_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # DCP gathers each rank's refusal of its shards; it used to come back as a plain CheckpointError
+    # (exit 2, "not the kind of file the action takes") instead of the damage it is.
+    rig = torchrig.Rig(accelerator="cpu", strategy="fsdp")
+    model = rig.prepare(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    saved = rig.save(tmp_path / "ck", {"model": model, "step": 1})
+    shard = saved / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    assert main(["checkpoint", "consolidate", str(saved), str(tmp_path / "w.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"torchrig checkpoint consolidate: checksum mismatch in {shard}: SHA-256 is "), err
+    with pytest.raises(DamagedCheckpointError, match=r"^checksum mismatch in .*__0_0\.distcp"):
+        rig.load(saved, {"model": model})

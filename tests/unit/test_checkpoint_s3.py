@@ -136,6 +136,21 @@ def test_a_save_to_a_name_that_is_an_object_is_refused(bucket: str) -> None:
     assert fs.find(bucket, refresh=True) == [f"{bucket}/ck"]
 
 
+def test_the_users_objects_are_never_written_over_nor_deleted_by_retention(bucket: str) -> None:
+    fs, rig, (model, _) = s3fs.S3FileSystem(), torchrig.Rig(accelerator="cpu"), trained_mlp(0)
+    rig.save(f"s3://{bucket}/step-1", {"model": model, "step": 1})
+    mine = {f"{bucket}/data/train.csv": b"x,y\n", f"{bucket}/step-1/NOTES.md": b"why", f"{bucket}/LAST": b"."}
+    for key, data in mine.items():
+        fs.pipe_file(key, data)
+    with pytest.raises(CheckpointError, match=rf"^cannot save to s3://{bucket}/data: the prefix .* \('train.csv'\)"):
+        rig.save(f"s3://{bucket}/data", {"model": model, "step": 2})
+    with pytest.raises(CheckpointError, match=rf"^cannot update the 'LAST' link: s3://{bucket}/LAST is an object that"):
+        rig.save(f"s3://{bucket}/step-2", {"model": model, "step": 2}, link="LAST")
+    rig.save(f"s3://{bucket}/step-2", {"model": model, "step": 2}, keep_last=1)  # step-1's versions go
+    assert {k: fs.cat_file(k) for k in mine} == mine
+    assert [k for k in fs.find(bucket, refresh=True) if k not in mine and "/v-" not in k] == [f"{bucket}/last"]
+
+
 # One process imports torch once, then for every k forks a child that saves step 2 over step 1
 # (same name, ``last`` pointing at it, an older checkpoint falling to keep_last) and dies
 # (os._exit: no clean-up, as SIGKILL) at its k-th change on the server. The parent then loads

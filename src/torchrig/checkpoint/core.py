@@ -21,6 +21,7 @@ from torchrig.checkpoint.failures import uncommitted
 from torchrig.checkpoint.files import (
     FileSet,
     discard,
+    folder_identity,
     prepare_target,
     publish,
     write_torch,
@@ -49,9 +50,12 @@ def write(
     """Rank zero: write every file into a temp dir, fsync, then rename it into place (``payload``
     passed :func:`check_weights_only`); on object storage, upload it by :func:`remote.commit`'s rule."""
     if isinstance(target, CheckpointURL):
-        with remote.staging() as staged, remote.Upload(target, link) as upload:
-            with uncommitted(target, lambda: payload_bytes(payload), staged=staged):
-                meta = fill(rig, staged, payload, fsync=False, written=upload.send)  # each file uploaded once written
+        with (
+            remote.staging() as staged,
+            remote.Upload(target, link) as upload,
+            uncommitted(target, lambda: payload_bytes(payload), staged=staged),  # a failure after the commit says so
+        ):
+            meta = fill(rig, staged, payload, fsync=False, written=upload.send)  # each file uploaded once written
             upload.commit(staged, meta, keep_last=keep_last)
         return
     with uncommitted(target, lambda: payload_bytes(payload)):
@@ -208,8 +212,10 @@ def _start_whole(
     if not rig.is_global_zero:
         return None
     check_weights_only(payload["blob"])  # fails before any file is touched
-    if not isinstance(target, CheckpointURL):  # object storage has its own rule (remote.commit)
-        check_target(target, link)  # here too, so a background save is refused at once
+    if isinstance(target, CheckpointURL):  # here too, so a background save is refused at once
+        remote.check_target(target, link)
+    else:
+        check_target(target, link)
     ready: Callable[[], None] | None = None
     if not blocking:
         optimizers = {k: getattr(o, "optimizer", o) for k, o in state.items() if isinstance(o, torch.optim.Optimizer)}
@@ -267,8 +273,30 @@ def load(
     """
     arguments.path("path", path)
     settle_pending(rig)  # a save running in the background first (it may be the one loaded)
-    with remote.fetched(path, sharded.first_files) as folder:  # a rank's shards come as DCP plans its reads
-        return _load_folder(rig, folder, state, strict, map_location=map_location, verify=verify, prepare=prepare)
+    for reads_left in reversed(range(_READS)):
+        with remote.fetched(path, sharded.first_files) as folder:  # a rank's shards come as DCP plans its reads
+            try:
+                return _load_folder(
+                    rig, folder, state, strict, map_location=map_location, verify=verify, prepare=prepare
+                )
+            except _ReplacedWhileReadError as replaced:
+                if not reads_left:
+                    raise CheckpointError(
+                        f"{path} was replaced by another save each of the {_READS} times it was read (a process "
+                        f"is saving there: {type(replaced.error).__name__}: {replaced.error}); load it again"
+                    ) from replaced.error
+    raise AssertionError("unreachable")
+
+
+_READS = 5  # reads of a checkpoint that another process replaces (or removes) while it is read
+
+
+class _ReplacedWhileReadError(Exception):
+    """The checkpoint folder was replaced or removed (by a save of another process) while it was
+    read, before anything was loaded: ``error`` is what reading it met (``load`` reads it again)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 def _load_folder(
@@ -281,7 +309,11 @@ def _load_folder(
     verify: bool,
     prepare: Callable[[dict[str, Any]], None] | None,
 ) -> dict[str, Any]:
-    meta = read_meta(folder)
+    same = folder_identity(folder)
+    try:
+        meta = read_meta(folder)
+    except (CheckpointError, OSError) as err:
+        raise (err if folder_identity(folder) == same else _ReplacedWhileReadError(err)) from None
     if state is not None and not isinstance(state, dict):
         raise TypeError(f"load() takes state as a dict of the objects to fill, got {type(state)}")
     device = torch.device(map_location) if map_location is not None else rig.device
@@ -290,7 +322,14 @@ def _load_folder(
         return update_values(state, loaded)
     entries: dict[str, dict[str, Any]] = meta["entries"]
     check_entries(folder, entries, state, strict)
-    blob, tensors = read_whole(folder, meta, device, verify=verify)
+    try:
+        blob, tensors = read_whole(folder, meta, device, verify=verify)
+    except (CheckpointError, OSError) as err:  # a file removed or swapped by a save replacing the folder?
+        if folder_identity(folder) == same:
+            raise
+        raise _ReplacedWhileReadError(err) from None
+    if folder_identity(folder) != same:  # files of two checkpoints may have been read: read it again
+        raise _ReplacedWhileReadError(CheckpointError(f"{folder} was replaced while it was read; load it again"))
     if prepare is not None and state is not None:
         prepare(blob["values"])
         check_entries(folder, entries, state, strict)  # what prepare added

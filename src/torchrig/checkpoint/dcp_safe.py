@@ -269,7 +269,7 @@ def refuse_code(folder: Path) -> Iterator[None]:
         rank, failure = next(iter(err.failures.items()), (0, (err, None)))
         cause = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(cause, CheckpointError):  # a rank's shard refused before any rank read: said as it is
-            raise CheckpointError(str(cause)) from None
+            raise type(cause)(str(cause)) from None  # a damaged file stays a DamagedCheckpointError
         first = (str(cause).splitlines() or [""])[0]
         raise CheckpointError(
             f"could not read the shards of {folder}: DCP failed on rank {rank}: {type(cause).__name__}: {first}; "

@@ -109,3 +109,27 @@ def _no_space_error(disk: Path | CheckpointURL, where: object, needed: int) -> C
     return CheckpointError(
         f"no space left on device at {where}: the checkpoint needs about {needed / 1e6:.1f} MB, {free}; {nothing}"
     )
+
+
+def link_not_moved(target: Path | CheckpointURL, link: str, pointed: str | None, err: BaseException) -> CheckpointError:
+    """What a save says when its checkpoint was committed but the ``link`` beside it was not moved
+    to it (``pointed``: the name the link still points at, None where there was none)."""
+    was = f"still points at {pointed!r}" if pointed is not None else "was not made"
+    return CheckpointError(
+        f"the checkpoint {target} was committed, but the {link!r} link was not moved to it "
+        f"({type(err).__name__}: {err}); {target.parent / link} {was}. Load {target} by its name; the next save "
+        "moves the link"
+    )
+
+
+def not_pruned(
+    target: Path | CheckpointURL, link: str | None, keep_last: int | None, err: BaseException
+) -> CheckpointError:
+    """What a save says when its checkpoint was committed (and the ``link`` moved to it) but removing
+    what it replaced, or the checkpoints ``keep_last`` drops, failed."""
+    moved = f" and the {link!r} link points at it" if link else ""
+    what = f"older checkpoints (keep_last={keep_last})" if keep_last is not None else "the copy it replaced"
+    return CheckpointError(
+        f"the checkpoint {target} was committed{moved}, but removing {what} failed ({type(err).__name__}: {err}); "
+        "the next save tries again"
+    )

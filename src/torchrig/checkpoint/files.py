@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.failures import link_not_moved, not_pruned
 from torchrig.checkpoint.meta import META
 from torchrig.checkpoint.progress import checkpoints_beside, least_advanced, next_save_count, progress
 from torchrig.checkpoint.reading import not_a_checkpoint, read_meta_quiet, sha256_file
@@ -371,21 +372,12 @@ def publish(tmp: Path, target: Path, meta: dict[str, Any], *, link: str | None, 
         try:
             update_link(target, link)
         except (OSError, CheckpointError) as err:
-            was = f"still points at {before!r}" if before is not None else "was not made"
-            raise CheckpointError(
-                f"the checkpoint {target} was committed, but the {link!r} link was not moved to it "
-                f"({type(err).__name__}: {err}); {where} {was}. Load {target} by its name; the next save "
-                "moves the link"
-            ) from err
+            raise link_not_moved(target, link, before, err) from err
     if keep_last is not None:
         try:
             apply_retention(target, keep_last)
         except OSError as err:
-            moved = f" and the {link!r} link points at it" if link else ""
-            raise CheckpointError(
-                f"the checkpoint {target} was committed{moved}, but removing older checkpoints "
-                f"(keep_last={keep_last}) failed ({type(err).__name__}: {err}); the next save tries again"
-            ) from err
+            raise not_pruned(target, link, keep_last, err) from err
 
 
 def update_link(target: Path, name: str) -> None:
@@ -475,10 +467,13 @@ def _alive(pid: int) -> bool:
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """The checkpoint directory at ``path`` (following a ``last`` link); errors say what is there."""
+    """The checkpoint directory at ``path``, a ``last`` link followed once, here (a reader opens
+    the files of the checkpoint it named, even if the link moves meanwhile); errors say what is there."""
     p = Path(path)
-    if p.is_symlink() and not p.exists():  # ``last`` -> NAME while a save replaces NAME: NAME's old copy
-        p = p.parent / os.readlink(p)
+    for _ in range(_LINKS):
+        if not p.is_symlink():
+            break
+        p = p.parent / os.readlink(p)  # ``last`` -> NAME, NAME itself even while a save replaces it
     if p.is_dir():
         if not os.path.lexists(p / META):  # a meta.json that is not a regular file is refused by read_meta
             raise CheckpointError(
@@ -499,6 +494,20 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
         )
         return old
     raise FileNotFoundError(f"no checkpoint at {p}")
+
+
+_LINKS = 40  # links followed at most (the kernel's own limit)
+
+
+def folder_identity(folder: Path) -> tuple[int, int, int] | None:
+    """What says ``folder`` is still the directory it was (None when it is gone): a save that
+    replaces a checkpoint swaps a new directory in under the same name. Its device, inode and
+    change time: a file system may give a new directory the inode number of one just removed."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def _glob(folder: Path, pattern: str) -> list[Path]:

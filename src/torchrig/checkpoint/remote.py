@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrig.checkpoint.errors import CheckpointError
+from torchrig.checkpoint.failures import link_not_moved, not_pruned
 from torchrig.checkpoint.files import HashingWriter, resolve_checkpoint
 from torchrig.checkpoint.meta import META, META_LIMIT
 from torchrig.checkpoint.progress import least_advanced, next_save_count
@@ -117,14 +118,18 @@ def _filesystem(url: CheckpointURL) -> tuple[Any, str]:
     return fs, root.rstrip("/")
 
 
-def _versions(fs: Any, prefix: str) -> list[str]:
-    """The version prefixes under a checkpoint name, oldest first (their names sort by time)."""
+def _children(fs: Any, prefix: str) -> list[str]:
+    """The names directly under ``prefix`` (objects and prefixes), sorted; none where nothing is."""
     try:
         found = fs.ls(prefix, detail=False)
     except FileNotFoundError:
         return []
-    names = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in found})
-    return [f"{prefix}/{n}" for n in names if _VERSION.fullmatch(n)]
+    return sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in found})
+
+
+def _versions(fs: Any, prefix: str) -> list[str]:
+    """The version prefixes under a checkpoint name, oldest first (their names sort by time)."""
+    return [f"{prefix}/{n}" for n in _children(fs, prefix) if _VERSION.fullmatch(n)]
 
 
 def _cat(fs: Any, path: str, limit: int) -> bytes | None:
@@ -367,12 +372,11 @@ def _remove(fs: Any, prefix: str) -> None:
         fs.rm(prefix, recursive=True)
 
 
-def begin(target: CheckpointURL, link: str | None) -> str:
-    """A new save of ``target``: ``target`` itself and the ``link`` beside it checked (an object
-    named ``target``, or a folder at ``link``, is refused before anything is written), and the
-    name of the version prefix its files go under, ``v-<ordinal>-<random>``. The ordinal is the
-    save's time in ns, but always above every version already under the name (a clock that
-    jumped back never hides the new version)."""
+def check_target(target: CheckpointURL, link: str | None) -> list[str]:
+    """Refuse to save at ``target`` unless nothing is there or a torchrig checkpoint is (only its
+    version prefixes ``v-<ordinal>-<random>/``), and, with ``link``, unless that name beside it is
+    missing or a torchrig link object: anything else is the user's and is never written over, nor
+    later deleted by retention. Returns the version prefixes already under ``target``."""
     fs, root = _filesystem(target)
     if fs.isfile(root):  # an object store keeps an object NAME beside the prefix NAME/: loads would read it
         raise CheckpointError(
@@ -380,20 +384,52 @@ def begin(target: CheckpointURL, link: str | None) -> str:
             f"(one on object storage is the prefix {target}/, its objects under it); remove the object or "
             "save under another name"
         )
-    if link is not None and fs.isdir(f"{root.rsplit('/', 1)[0]}/{link}"):
+    children = _children(fs, root)
+    foreign = [n for n in children if not _VERSION.fullmatch(n)]
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise CheckpointError(
-            f"cannot update the {link!r} link: {target.parent / link} holds objects (it is not a torchrig link "
-            "object); remove them or pass link=None"
+            f"cannot save to {target}: the prefix {target}/ holds objects that are not a torchrig checkpoint's "
+            f"({shown}); only a new name or a torchrig checkpoint (its v-<ordinal>-<random>/ versions) is "
+            "replaced: give a new name such as 'step-000100', or remove them yourself"
         )
-    versions = _versions(fs, root)
+    if link is not None:
+        at = f"{root.rsplit('/', 1)[0]}/{link}"
+        if fs.isdir(at):
+            raise CheckpointError(
+                f"cannot update the {link!r} link: {target.parent / link} holds objects (it is not a torchrig "
+                "link object); remove them or pass link=None"
+            )
+        raw = _cat(fs, at, POINTER_LIMIT)
+        try:
+            if raw is not None:
+                _pointed(raw, at)
+        except CheckpointError:
+            raise CheckpointError(
+                f"cannot update the {link!r} link: {target.parent / link} is an object that is not a torchrig "
+                f"link object (JSON {{'checkpoint': NAME}}), it holds something else; "
+                "remove it or pass link=None"
+            ) from None
+    return [f"{root}/{n}" for n in children]
+
+
+def begin(target: CheckpointURL, link: str | None) -> str:
+    """A new save of ``target``: ``target`` itself and the ``link`` beside it checked
+    (:func:`check_target`: refused before anything is written), and the name of the version
+    prefix its files go under, ``v-<ordinal>-<random>``. The ordinal is the save's time in ns, but
+    always above every version already under the name (a clock that jumped back never hides the
+    new version)."""
+    versions = check_target(target, link)
     after = int(versions[-1].rsplit("/", 1)[-1][2:22]) + 1 if versions else 0
     return f"v-{max(time.time_ns(), after):020d}-{uuid.uuid4().hex[:8]}"
 
 
 def abandon(target: CheckpointURL, version: str) -> None:
-    """Delete what a save that failed uploaded under ``version`` of ``target`` (never committed)."""
+    """Delete what a save that failed uploaded under ``version`` of ``target``, unless it was
+    committed (a failure after its ``meta.json``: the link, retention) and is the checkpoint now."""
     fs, root = _filesystem(target)
-    _remove(fs, f"{root}/{version}")
+    if _cat(fs, f"{root}/{version}/{META}", 0) is None:
+        _remove(fs, f"{root}/{version}")
 
 
 def uploaded(target: CheckpointURL, version: str, name: str) -> bytes:
@@ -479,14 +515,31 @@ def commit(
     except BaseException:
         _remove(fs, prefix)  # nothing of an upload that failed stays
         raise
+    # Committed: what fails from here on says so, and nothing deletes the new version.
     if link is not None:
-        fs.pipe_file(f"{root.rsplit('/', 1)[0]}/{link}", json.dumps({"checkpoint": target.name}).encode())
-    for old in _versions(fs, root):
-        if old < prefix:
-            _remove(fs, old)
-    if keep_last is not None:
-        for name in least_advanced(beside, keep_last):
-            _remove_name(fs, name)
+        at = f"{root.rsplit('/', 1)[0]}/{link}"
+        try:
+            fs.pipe_file(at, json.dumps({"checkpoint": target.name}).encode())
+        except Exception as err:
+            raise link_not_moved(target, link, _still_pointed(fs, at), err) from err
+    try:
+        for old in _versions(fs, root):
+            if old < prefix:
+                _remove(fs, old)
+        if keep_last is not None:
+            for name in least_advanced(beside, keep_last):
+                _remove_name(fs, name)
+    except Exception as err:
+        raise not_pruned(target, link, keep_last, err) from err
+
+
+def _still_pointed(fs: Any, at: str) -> str | None:
+    """The name the ``last`` object at ``at`` holds after a write of it failed (None: none, or unknown)."""
+    try:
+        raw = _cat(fs, at, POINTER_LIMIT)
+        return None if raw is None else _pointed(raw, at)
+    except Exception:
+        return None
 
 
 def _committed_beside(fs: Any, root: str) -> list[tuple[dict[str, Any], str]]:
@@ -520,11 +573,13 @@ def _committed_beside(fs: Any, root: str) -> list[tuple[dict[str, Any], str]]:
 
 
 def _remove_name(fs: Any, prefix: str) -> None:
-    """Delete every version of a checkpoint name, each ``meta.json`` first, then the name itself."""
+    """Delete every version of a checkpoint name, each ``meta.json`` first, then the name itself if
+    nothing else is under it (an object someone put there stays; so does a bucket)."""
     for version in _versions(fs, prefix):
         _remove(fs, version)
-    with contextlib.suppress(FileNotFoundError):
-        fs.rm(prefix, recursive=True)
+    if "/" in prefix:  # a key in a bucket, never the bucket
+        with contextlib.suppress(OSError):  # not empty (FileExistsError on S3), or no folder to remove
+            fs.rmdir(prefix)
 
 
 def remove_checkpoint(url: CheckpointURL) -> None:
