@@ -33,6 +33,20 @@ def loss_of(output: Any) -> torch.Tensor | None:
     )
 
 
+def batch_outputs(output: Any) -> Any:
+    """What ``on_train_batch_end`` gets for what ``training_step`` returned, as in Lightning: a
+    loss tensor as ``{"loss": loss}``, a dict as a copy, ``None`` as ``{}`` (the loss detached in
+    both); any other object (a dataclass with a ``loss``) as it is."""
+    if type(output) is torch.Tensor:
+        return {"loss": output.detach()}
+    if output is None:
+        return {}
+    if isinstance(output, dict):
+        loss = output.get("loss")
+        return {**output, "loss": loss.detach()} if isinstance(loss, torch.Tensor) else dict(output)
+    return output
+
+
 class StepRunner(StepHooks):
     """The training step of a run's fit loop, automatic or manual optimization."""
 
