@@ -7,6 +7,7 @@ The hot path: no host-device synchronisation, losses and logged values stay tens
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -220,6 +221,14 @@ class StepRunner(StepHooks):
             metric = None
             if cfg.monitor is not None:
                 metrics = tr.callback_metrics
+                if cfg.monitor not in metrics and not cfg.strict:
+                    warnings.warn(
+                        f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; its step is skipped "
+                        f"(strict=False). Logged: {sorted(metrics) or 'none'}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    continue
                 if cfg.monitor not in metrics:
                     raise ValueError(
                         f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "
