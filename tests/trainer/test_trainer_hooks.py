@@ -147,7 +147,7 @@ class Sparse(Callback):
         return EventSchedule(seconds=self.interval) if event == "on_train_batch_end" else EventSchedule()
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.seen.append((trainer.current_epoch, batch_idx, float(outputs.detach())))
+        self.seen.append((trainer.current_epoch, batch_idx, float(outputs["loss"])))
 
 
 class StopAfter(Callback):

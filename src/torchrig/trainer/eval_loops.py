@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchrig.trainer.metrics import MetricStore, to_floats
+from torchrig.trainer.metrics import LOADER_SUFFIX, MetricStore, to_floats
 from torchrig.trainer.run import num_batches
 from torchrig.trainer.step_hooks import StepHooks
 
@@ -36,7 +36,7 @@ class EvalLoops(StepHooks):
                 for idx, loader in enumerate(loaders):
                     n = num_batches(loader, self.eval_limit(stage)) if limit_override is None else limit_override
                     if len(loaders) > 1:  # each loader's values kept apart: name/dataloader_idx_N
-                        with self.log_into(store, suffix=f"/dataloader_idx_{idx}"):
+                        with self.log_into(store, suffix=f"{LOADER_SUFFIX}{idx}"):
                             self.eval_loader(stage, method, loader, idx, n)
                     else:
                         self.eval_loader(stage, method, loader, None, n)
@@ -50,8 +50,11 @@ class EvalLoops(StepHooks):
         tr = self.trainer
         values = store.epoch_values()
         results = _split_by_loader(values, count)
+        store.reduced = True
+        # The callbacks read them at on_validation_end, also the sanity check's (whose values the
+        # fit forgets after it, as Lightning does).
+        self.epoch_metrics.update(store.callback_values(values))
         if stage != "sanity_check":
-            self.epoch_metrics.update(values)
             logged = store.logger_keys(values)
             if logged and self.stage == "fit":
                 self.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
@@ -105,16 +108,18 @@ class EvalLoops(StepHooks):
             for idx, loader in enumerate(loaders):
                 n = num_batches(loader, tr.limit_predict_batches)
                 outputs: list[Any] = []
-                predict_step = tr.rig.strategy.step_caller(prepared, self.require_module().predict_step)
+                method = self.require_module().predict_step
+                predict_step = tr.rig.strategy.step_caller(prepared, method)
                 indices = batch_indices(loader) if track else None
                 self.predict_dataloader_idx = idx
                 extra = (idx,) if len(loaders) > 1 else ()
+                step_extra = extra if _takes_loader_index(method) else ()
                 for batch_idx, batch in enumerate(self.transferred(loader, idx)):
                     if batch_idx >= n:
                         break
                     for hook in start:
                         hook(batch, batch_idx, *extra)
-                    out = predict_step(batch, batch_idx)
+                    out = predict_step(batch, batch_idx, *step_extra)
                     if indices is not None:
                         self.predict_batch_indices = indices[batch_idx] if batch_idx < len(indices) else []
                     for hook in end:
@@ -163,8 +168,8 @@ def _split_by_loader(values: dict[str, torch.Tensor], count: int) -> list[dict[s
         return [dict(values)]
     out: list[dict[str, torch.Tensor]] = []
     for idx in range(count):
-        suffix = f"/dataloader_idx_{idx}"
-        out.append({k: v for k, v in values.items() if k.endswith(suffix) or "/dataloader_idx_" not in k})
+        suffix = f"{LOADER_SUFFIX}{idx}"
+        out.append({k: v for k, v in values.items() if k.endswith(suffix) or LOADER_SUFFIX not in k})
     return out
 
 

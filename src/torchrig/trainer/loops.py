@@ -18,7 +18,7 @@ from torchrig.data import length_of
 from torchrig.preemption import Preempted
 from torchrig.trainer.eval_loops import EvalLoops
 from torchrig.trainer.profiler import DATA, VALIDATION
-from torchrig.trainer.step_runner import StepRunner
+from torchrig.trainer.step_runner import StepRunner, batch_outputs
 
 
 @dataclass
@@ -98,6 +98,7 @@ class Run(StepRunner, EvalLoops):
                 self.emit("on_sanity_check_end")
             finally:
                 self.sanity_checking = False
+                self.epoch_metrics.clear()  # what the sanity check logged is not the fit's
         if not self.require_module().automatic_optimization:
             self.hook_manual_steps()
         self.emit("on_train_start")
@@ -230,6 +231,8 @@ class Run(StepRunner, EvalLoops):
             for hook in batch_start:
                 hook(batch, batch_idx)
             output = one_batch(batch, batch_idx, is_last)
+            if batch_end or sparse:
+                output = batch_outputs(output)
             state.batch_idx = batch_idx + 1
             if validate_epoch:
                 state.val_pending = state.batch_idx % val_every == 0 or (is_last and val_at_last)
@@ -268,11 +271,13 @@ class Run(StepRunner, EvalLoops):
 
     def end_train_epoch(self) -> None:
         tr = self.trainer
+        # The epoch's means, as the hooks read them in callback_metrics (as in Lightning), then
+        # again with what they logged themselves.
+        self.reduce_train_epoch()
         with self.log_into(self.train_metrics):  # the callbacks that do not read the epoch's metrics, the module
             for hook in self.hooks("on_train_epoch_end", monitoring=False):
                 hook()
-        epoch_values = self.train_metrics.epoch_values()
-        self.epoch_metrics.update(epoch_values)
+        epoch_values = self.reduce_train_epoch()
         logged = self.train_metrics.logger_keys(epoch_values)
         if logged:
             self.log_to_loggers({**logged, "epoch": tr.fit_state.epoch})
@@ -281,6 +286,14 @@ class Run(StepRunner, EvalLoops):
         tr.fit_state.epoch_finished = True
         for hook in self.hooks("on_train_epoch_end", monitoring=True):  # checkpointing, early stopping
             hook()
+
+    def reduce_train_epoch(self) -> dict[str, Any]:
+        """The training epoch's means (:meth:`MetricStore.epoch_values`), now in ``callback_metrics``."""
+        store = self.train_metrics
+        values = store.epoch_values()
+        self.epoch_metrics.update(store.callback_values(values))
+        store.reduced = True
+        return values
 
 
 def stop_at_step(signum: int) -> NoReturn:

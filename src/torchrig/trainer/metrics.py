@@ -33,6 +33,23 @@ class LogOptions:
         return [self.prog_bar, self.logger, self.on_step, self.on_epoch, self.sync_dist]
 
 
+#: The suffix that keeps each evaluation loader's values apart, with several loaders.
+LOADER_SUFFIX = "/dataloader_idx_"
+
+
+def forked_name(name: str, kind: str) -> str:
+    """The name a value logged both ``on_step`` and ``on_epoch`` takes for ``kind`` (``step`` or
+    ``epoch``), as in Lightning: ``loss_step``, ``loss_epoch/dataloader_idx_1``."""
+    base, sep, idx = name.partition(LOADER_SUFFIX)
+    return f"{base}_{kind}{sep}{idx}"
+
+
+def unforked_name(key: str, kind: str) -> str:
+    """The logged name of ``key`` if it is the ``kind`` fork of one (else ``key`` itself)."""
+    base, sep, idx = key.partition(LOADER_SUFFIX)
+    return base.removesuffix(f"_{kind}") + sep + idx
+
+
 class MetricStore:
     """Logged values of one stage, on the device.
 
@@ -51,9 +68,13 @@ class MetricStore:
         self.step: dict[str, torch.Tensor] = {}
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, float] = {}
+        #: The epoch's means were taken (its end): for ``trainer.callback_metrics`` a name logged
+        #: both per step and per epoch then stands for its epoch mean, no longer its last step value.
+        self.reduced = False
 
     def reset(self) -> None:
         """Forget everything (at the start of an epoch or evaluation run)."""
+        self.reduced = False
         self.options.clear()
         self.step.clear()
         self.sums.clear()
@@ -112,7 +133,7 @@ class MetricStore:
             opts = self.options[name]
             if (for_logger and not opts.logger) or (for_prog_bar and not opts.prog_bar):
                 continue
-            out[f"{name}_step" if opts.on_epoch else name] = value
+            out[forked_name(name, "step") if opts.on_epoch else name] = value
         return out
 
     def epoch_values(self, *, for_logger: bool = False, for_prog_bar: bool = False) -> dict[str, torch.Tensor]:
@@ -124,7 +145,7 @@ class MetricStore:
             opts = self.options[name]
             if (for_logger and not opts.logger) or (for_prog_bar and not opts.prog_bar):
                 continue
-            key = f"{name}_epoch" if opts.on_step else name
+            key = forked_name(name, "epoch") if opts.on_step else name
             out[key] = total / self.counts[name]
             if opts.sync_dist:
                 synced.append(key)
@@ -137,9 +158,22 @@ class MetricStore:
         """The items of ``values`` (from :meth:`epoch_values`) whose names go to the logger."""
         out: dict[str, torch.Tensor] = {}
         for key, value in values.items():
-            opts = self.options.get(key) or self.options.get(key.removesuffix("_epoch"))
+            opts = self.options.get(key) or self.options.get(unforked_name(key, "epoch"))
             if opts is None or opts.logger:
                 out[key] = value
+        return out
+
+    def callback_values(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``values`` (from :meth:`epoch_values`) as ``trainer.callback_metrics`` shows them once
+        the epoch has ended, as in Lightning: a name logged both per step and per epoch also under
+        its own name, with its epoch mean (``loss`` beside ``loss_epoch``), so a monitor of
+        ``loss`` reads the mean, not the last step's value."""
+        out = dict(values)
+        for key, value in values.items():
+            name = unforked_name(key, "epoch")
+            opts = self.options.get(name)
+            if name != key and opts is not None and opts.on_step:
+                out[name] = value
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -332,6 +332,10 @@ class SchedulerConfig:
     interval: str = "epoch"
     frequency: int = 1
     monitor: str | None = None
+    #: What ``LearningRateMonitor`` logs its optimizer's learning rate as (Lightning's ``name``).
+    name: str | None = None
+    #: A ``monitor`` that was not logged is an error (False: a warning, and the step is skipped).
+    strict: bool = True
 
 
 def parse_optimizers(
@@ -365,13 +369,25 @@ def parse_optimizers(
     )
 
 
+#: The keys of an ``lr_scheduler`` dict torchrig reads.
+#: ``reduce_on_plateau`` is read from the scheduler's type; Lightning's key is taken and not needed.
+_SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "name", "strict", "reduce_on_plateau"}
+
+
 def _scheduler_config(sched: Any, steps_schedulers: bool) -> SchedulerConfig:
     if isinstance(sched, Mapping):
+        unknown = sorted(set(sched) - _SCHEDULER_KEYS)
+        if unknown:
+            raise ValueError(
+                f"lr_scheduler dict has keys torchrig does not know: {unknown}; it takes {sorted(_SCHEDULER_KEYS)}"
+            )
         cfg = SchedulerConfig(
             scheduler=sched.get("scheduler"),
             interval=sched.get("interval", "epoch"),
             frequency=int(sched.get("frequency", 1)),
             monitor=sched.get("monitor"),
+            name=sched.get("name"),
+            strict=bool(sched.get("strict", True)),
         )
     else:
         cfg = SchedulerConfig(scheduler=sched)

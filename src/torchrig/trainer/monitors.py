@@ -34,7 +34,10 @@ class _EveryNSteps(Callback):
 class LearningRateMonitor(_EveryNSteps):
     """Logs each optimizer's learning rate (per parameter group) to the loggers.
 
-    Names are ``lr-<Optimizer>`` (``/pg<i>`` per extra group, ``-<i>`` for a repeated class).
+    Names are Lightning's: the ``name`` of the optimizer's scheduler config (``{"scheduler": s,
+    "name": "my_lr"}``), else ``lr-<Optimizer>`` (``-<i>`` for a repeated class); with several
+    parameter groups ``/<group name>`` or ``/pg<i>`` (from 1) after it, and ``-momentum`` after
+    each for the momentum (Adam's ``beta1``; 0 for an optimizer without one).
 
     Args:
         logging_interval: ``"step"`` (every ``log_every_n_steps`` steps) or ``"epoch"``.
@@ -64,17 +67,21 @@ class LearningRateMonitor(_EveryNSteps):
     def _record(self, trainer: Trainer) -> None:
         values: dict[str, float] = {}
         seen: dict[str, int] = {}
+        configs = trainer.lr_scheduler_configs
+        named = {id(getattr(cfg.scheduler, "optimizer", None)): cfg.name for cfg in configs if cfg.name}
         for opt in trainer.optimizers:
-            cls = type(getattr(opt, "optimizer", opt)).__name__
+            inner = getattr(opt, "optimizer", opt)
+            cls = type(inner).__name__
             seen[cls] = seen.get(cls, -1) + 1
-            base = f"lr-{cls}" + (f"-{seen[cls]}" if seen[cls] else "")
-            for i, group in enumerate(opt.param_groups):
-                name = base if i == 0 else f"{base}/pg{i + 1}"
+            base = named.get(id(inner)) or named.get(id(opt)) or f"lr-{cls}" + (f"-{seen[cls]}" if seen[cls] else "")
+            groups = opt.param_groups
+            for i, group in enumerate(groups):
+                label = group.get("name", f"pg{i + 1}") if len(groups) > 1 else group.get("name")
+                name = f"{base}/{label}" if label else base
                 values[name] = float(group["lr"])
                 if self.log_momentum:
-                    momentum = group.get("momentum", group.get("betas", (None,))[0])
-                    if momentum is not None:
-                        values[name.replace("lr-", "momentum-", 1)] = float(momentum)
+                    momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
+                    values[f"{name}-momentum"] = float(momentum)
         self.last_values = values
         _log(trainer, values)
 

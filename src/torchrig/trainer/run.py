@@ -81,7 +81,12 @@ class RunState:
         #: Where ``self.log`` writes now: set for a block by :meth:`log_into`.
         self.sink = LogSink(self.train_metrics)
         self.epoch_metrics: dict[str, torch.Tensor] = {}
-        self.logged: dict[str, Any] = {}
+        self.logged: dict[str, Any] = {}  # the last row sent to the loggers
+        #: Every value sent to the loggers in this run, the latest of each name (``logged_metrics``).
+        self.logged_all: dict[str, Any] = {}
+        #: ``callback_metrics`` and ``logged_metrics`` show the training's values (a fit, until
+        #: the next run starts: Lightning forgets a run's values when the next one starts).
+        self.shows_training = False
         self.stage: str | None = None
         self.sanity_checking = False  # the fit's sanity check is running
         self.given_callbacks: list[Any] | None = None  # the Trainer's callbacks, once a module added its own
@@ -180,6 +185,8 @@ class RunState:
     def log_to_loggers(self, metrics: dict[str, Any]) -> None:
         """Send one row to every logger at the current global step (and keep it as ``logged_metrics``)."""
         self.logged = metrics
+        self.logged_all.update(metrics)
+        self.logged_all.pop("epoch", None)  # the loggers' x-axis, not a logged value
         step = self.trainer.fit_state.global_step
         for lg in self.trainer.loggers:
             lg.log_metrics(metrics, step=step)

@@ -111,7 +111,7 @@ class SpikeDetection(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = loss_of(outputs)
+        loss = None if isinstance(outputs, dict) and "loss" not in outputs else loss_of(outputs)
         if loss is not None and self.check(trainer, loss.detach(), batch_idx):
             raise TrainingSpikeException(batch_idx)
 

@@ -211,6 +211,9 @@ def begin(tr: Trainer, given: TrainingModule, stage: str) -> TrainingModule:
         )
     tr.run.compiled = given if compiler is not None else None
     tr.module, tr.run.stage, tr.interrupted = module, stage, False
+    tr.run.epoch_metrics.clear()  # callback_metrics and logged_metrics start empty, as Lightning's
+    tr.run.logged_all.clear()
+    tr.run.shows_training = stage == "fit"
     tr.run.refresh_hooks()
     module._trainer = tr
     if overrides(module, TrainingModule, "configure_callbacks") or tr.run.given_callbacks is not None:

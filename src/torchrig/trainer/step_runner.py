@@ -7,6 +7,7 @@ The hot path: no host-device synchronisation, losses and logged values stay tens
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -31,6 +32,20 @@ def loss_of(output: Any) -> torch.Tensor | None:
         f"training_step returned {type(output).__name__}; return the loss tensor, a dict with a 'loss' "
         "tensor, an object with a 'loss' tensor attribute (a dataclass), or None to skip the batch"
     )
+
+
+def batch_outputs(output: Any) -> Any:
+    """What ``on_train_batch_end`` gets for what ``training_step`` returned, as in Lightning: a
+    loss tensor as ``{"loss": loss}``, a dict as a copy, ``None`` as ``{}`` (the loss detached in
+    both); any other object (a dataclass with a ``loss``) as it is."""
+    if type(output) is torch.Tensor:
+        return {"loss": output.detach()}
+    if output is None:
+        return {}
+    if isinstance(output, dict):
+        loss = output.get("loss")
+        return {**output, "loss": loss.detach()} if isinstance(loss, torch.Tensor) else dict(output)
+    return output
 
 
 class StepRunner(StepHooks):
@@ -206,6 +221,14 @@ class StepRunner(StepHooks):
             metric = None
             if cfg.monitor is not None:
                 metrics = tr.callback_metrics
+                if cfg.monitor not in metrics and not cfg.strict:
+                    warnings.warn(
+                        f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; its step is skipped "
+                        f"(strict=False). Logged: {sorted(metrics) or 'none'}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    continue
                 if cfg.monitor not in metrics:
                     raise ValueError(
                         f"ReduceLROnPlateau monitors {cfg.monitor!r}, which was not logged; "

@@ -22,6 +22,7 @@ from torchrig.trainer.callbacks import Callback
 from torchrig.trainer.checkpointing import ModelCheckpoint
 from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.logger_base import Logger
+from torchrig.trainer.metrics import unforked_name
 from torchrig.trainer.module import SchedulerConfig, TrainingModule
 from torchrig.trainer.profiler import Profiler, resolve_profiler
 from torchrig.trainer.run import num_batches
@@ -304,16 +305,27 @@ class Trainer:
 
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
-        """Every logged value (latest step values and epoch means), as device tensors."""
-        stores = (self.run.train_metrics, self.run.eval_metrics)
-        latest = {name: value for store in stores for name, value in store.step.items()}
-        step = {k: v for store in stores for k, v in store.step_values().items()}
-        return {**latest, **step, **self.run.epoch_metrics}
+        """Every value logged in this run, as device tensors, as Lightning shows them: the
+        training steps' latest values and the means of the ended epochs and evaluations (an
+        evaluation's per-step values are not among them). A name logged both per step and per
+        epoch holds its latest step value during the epoch and its mean once the epoch ends."""
+        run = self.run
+        train = run.train_metrics
+        if not run.shows_training:
+            return dict(run.epoch_metrics)
+        current = {**train.step, **train.step_values()}
+        return {**current, **run.epoch_metrics} if train.reduced else {**run.epoch_metrics, **current}
 
     @property
     def logged_metrics(self) -> dict[str, Any]:
-        """What was last sent to the loggers."""
-        return dict(self.run.logged)
+        """The latest value of every name logged for the loggers in this run (as Lightning's:
+        also when there is no logger, and without the ``epoch`` the loggers' rows carry)."""
+        run = self.run
+        stores = (run.train_metrics, run.eval_metrics) if run.shows_training else (run.eval_metrics,)
+        out = dict(run.logged_all)
+        for store in stores:
+            out.update(store.step_values(for_logger=True))
+        return out
 
     @property
     def progress_bar_metrics(self) -> dict[str, torch.Tensor]:
@@ -321,9 +333,10 @@ class Trainer:
         out = {**self.run.train_metrics.step_values(for_prog_bar=True)}
         names = {**self.run.train_metrics.options, **self.run.eval_metrics.options}
         for key, value in self.run.epoch_metrics.items():
-            opts = names.get(key.removesuffix("_epoch")) or names.get(key)
-            if opts is not None and opts.prog_bar:
-                out[key] = value
+            name = unforked_name(key, "epoch")
+            opts = names.get(name) if name != key else names.get(key)
+            if opts is not None and opts.prog_bar and (name != key or not (opts.on_step and opts.on_epoch)):
+                out[key] = value  # a name logged per step and per epoch: its _step and _epoch forks only
         return out
 
     @property

@@ -1,0 +1,185 @@
+"""One module that logs with every ``self.log`` option, run under Lightning 2.6's Trainer and
+under torchrig's with the same seed: what callbacks read in ``trainer.callback_metrics`` at each
+hook, ``logged_metrics`` and ``progress_bar_metrics`` after the run, what ``on_train_batch_end``
+and ``on_validation_batch_end`` get, ``dataloader_idx`` in every step, and what
+``validate``/``test`` return, with one loader and with several."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hook_recording import quiet_lightning
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchrig
+
+pl = pytest.importorskip("lightning.pytorch")
+
+#: (name, self.log options) logged in training_step
+TRAIN_LOGS: list[tuple[str, dict[str, Any]]] = [
+    ("plain", {}),
+    ("step_only", {"on_step": True, "on_epoch": False}),
+    ("epoch_only", {"on_step": False, "on_epoch": True}),
+    ("both", {"on_step": True, "on_epoch": True, "prog_bar": True}),
+    ("hidden", {"on_step": True, "on_epoch": True, "logger": False}),
+]
+#: logged in validation_step (each loader's value shifted by its index)
+VAL_LOGS: list[tuple[str, dict[str, Any]]] = [
+    ("val_plain", {}),
+    ("val_both", {"on_step": True}),
+    ("val_bar", {"prog_bar": True}),
+]
+
+
+def rounded(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return round(float(value.detach()), 5) if value.numel() == 1 else tuple(value.shape)
+    if isinstance(value, float):
+        return round(value, 5)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
+def classes(module_base: type, callback_base: type) -> tuple[type, type, list[Any]]:
+    """The logging module and a callback that records what it sees, on either framework's bases."""
+    seen: list[Any] = []
+
+    def note(trainer: Any, *what: Any) -> None:
+        seen.append((*what, trainer.global_step, trainer.current_epoch))
+
+    class Module(module_base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def loss(self, batch: Any) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self.loss(batch)
+            for name, options in TRAIN_LOGS:
+                self.log(name, loss, **options)
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+            loss = self.loss(batch)
+            note(self.trainer, "validation_step", batch_idx, dataloader_idx)
+            for name, options in VAL_LOGS:
+                self.log(name, loss + dataloader_idx, **options)
+            return {"val": loss}
+
+        def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            note(self.trainer, "test_step", batch_idx, dataloader_idx)
+            self.log("test_loss", self.loss(batch) + dataloader_idx, on_step=True)
+
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+            note(self.trainer, "predict_step", batch_idx, dataloader_idx)
+            return self.layer(batch[0])
+
+        def on_train_epoch_end(self) -> None:
+            self.log("module_epoch_end", float(self.trainer.current_epoch + 1))
+
+        def on_validation_epoch_end(self) -> None:
+            self.log("val_epoch_end", float(self.trainer.current_epoch + 10))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Recorder(callback_base):  # type: ignore[misc,valid-type]
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            note(trainer, "on_train_batch_end", batch_idx, rounded(outputs), rounded(trainer.callback_metrics))
+
+        def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+            note(trainer, "on_validation_batch_end", rounded(outputs), *args[1:])
+
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            note(trainer, "on_validation_end", rounded(trainer.callback_metrics))
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            note(trainer, "on_train_epoch_end", rounded(trainer.callback_metrics))
+
+    return Module, Recorder, seen
+
+
+def data(n: int = 16, seed: int = 0) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def run(framework: str, stage: str, tmp_path: Any, loaders: int, **settings: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    common = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    common |= {"enable_model_summary": False, "default_root_dir": tmp_path / framework, **settings}
+    if framework == "lightning":
+        quiet_lightning()
+        module_cls, recorder_cls, seen = classes(pl.LightningModule, pl.Callback)
+        trainer: Any = pl.Trainer(accelerator="cpu", callbacks=[recorder_cls()], **common)
+    else:
+        module_cls, recorder_cls, seen = classes(torchrig.TrainingModule, torchrig.Callback)
+        trainer = torchrig.Trainer(accelerator="cpu", devices=1, callbacks=[recorder_cls()], **common)
+    module = module_cls()
+    evaluation = [data(8, seed=1 + i) for i in range(loaders)]
+    evaluation_arg = evaluation[0] if loaders == 1 else evaluation
+    if stage == "fit":
+        result = trainer.fit(module, data(), evaluation_arg)
+    else:
+        result = getattr(trainer, stage)(module, evaluation_arg)
+    return {
+        "seen": seen,
+        "result": rounded(result),
+        "callback_metrics": rounded(dict(trainer.callback_metrics)),
+        "logged_metrics": rounded(dict(trainer.logged_metrics)),
+        "progress_bar_metrics": rounded(dict(trainer.progress_bar_metrics)),
+    }
+
+
+def assert_same(theirs: dict[str, Any], ours: dict[str, Any]) -> None:
+    for key in ("callback_metrics", "logged_metrics", "progress_bar_metrics", "result"):
+        assert ours[key] == theirs[key], key
+    for i, (mine, other) in enumerate(zip(ours["seen"], theirs["seen"], strict=True)):
+        assert mine == other, f"hook call {i}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("loaders", [1, 2])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"max_epochs": 2, "num_sanity_val_steps": 0},
+        {"max_epochs": 1, "num_sanity_val_steps": 2, "val_check_interval": 2},
+        {"max_steps": 3, "accumulate_grad_batches": 1, "num_sanity_val_steps": 0, "val_check_interval": 0.5},
+    ],
+    ids=["epochs", "sanity-int-interval", "max-steps-float-interval"],
+)
+def test_fit_logs_and_passes_what_lightning_does(tmp_path: Any, settings: dict[str, Any], loaders: int) -> None:
+    theirs = run("lightning", "fit", tmp_path, loaders, **settings)
+    ours = run("torchrig", "fit", tmp_path, loaders, **settings)
+    assert len(theirs["seen"]) > 8 and "both" in theirs["callback_metrics"]  # the runs did record
+    if loaders == 2 and settings.get("num_sanity_val_steps"):
+        # Lightning's callback_metrics are empty at the sanity check's end with several loaders
+        # (with one, they hold its values): torchrig shows them in both cases.
+        keep = [i for i, s in enumerate(theirs["seen"]) if not (s[0] == "on_validation_end" and s[-2] == 0)]
+        theirs["seen"] = [theirs["seen"][i] for i in keep]
+        ours["seen"] = [ours["seen"][i] for i in keep]
+    assert_same(theirs, ours)
+    # the defects this holds torchrig to (each failed before): a monitor of a name logged per step
+    # and per epoch reads the epoch's mean; on_train_batch_end gets {"loss": ...}
+    assert ours["callback_metrics"]["both"] == ours["callback_metrics"]["both_epoch"]
+    assert any(s[0] == "on_train_batch_end" and set(s[2]) == {"loss"} for s in ours["seen"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loaders", [1, 2])
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_evaluation_logs_and_passes_what_lightning_does(tmp_path: Any, stage: str, loaders: int) -> None:
+    theirs = run("lightning", stage, tmp_path, loaders)
+    ours = run("torchrig", stage, tmp_path, loaders)
+    assert_same(theirs, ours)
+    steps = [s for s in ours["seen"] if s[0].endswith("_step")]
+    assert {s[2] for s in steps} == set(range(loaders))  # dataloader_idx reached every step
