@@ -582,13 +582,14 @@ def _committed_beside(fs: Any, root: str) -> list[tuple[dict[str, Any], str]]:
 
 
 def _remove_name(fs: Any, prefix: str) -> None:
-    """Delete every version of a checkpoint name, each ``meta.json`` first, then the name itself if
-    nothing else is under it (an object someone put there stays; so does a bucket)."""
+    """Delete every version of a checkpoint name, each ``meta.json`` first, then what is left of the
+    name (the folders of a store that keeps them) if no object is under it: an object someone
+    put there stays. (Not ``rmdir``: gcsfs's deletes the bucket.)"""
     for version in _versions(fs, prefix):
         _remove(fs, version)
-    if "/" in prefix:  # a key in a bucket, never the bucket
-        with contextlib.suppress(OSError):  # not empty (FileExistsError on S3), or no folder to remove
-            fs.rmdir(prefix)
+    if not fs.find(prefix):
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(prefix, recursive=True)
 
 
 def remove_checkpoint(url: CheckpointURL) -> None:
