@@ -15,6 +15,7 @@ import torch
 from trainer_helpers import Regressor, loader, quiet_trainer
 
 import torchrig
+from torchrig.checkpoint import CheckpointURL
 
 
 class EpochScore(Regressor):
@@ -29,9 +30,12 @@ def _names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
 
 
-def _fit(folder: Path, epochs: int, ckpt_path: Any = None, **ckpt: Any) -> torchrig.ModelCheckpoint:
+def _fit(
+    folder: Path | str, epochs: int, ckpt_path: Any = None, *, root: Path | None = None, **ckpt: Any
+) -> torchrig.ModelCheckpoint:
     cb = torchrig.ModelCheckpoint(dirpath=folder, **ckpt)
-    trainer = quiet_trainer(folder.parent, max_epochs=epochs, enable_checkpointing=True, callbacks=[cb])
+    root = root or Path(folder).parent  # the Trainer's own folder (a URL's: given)
+    trainer = quiet_trainer(root, max_epochs=epochs, enable_checkpointing=True, callbacks=[cb])
     trainer.fit(EpochScore(), loader(8), ckpt_path=ckpt_path)
     return cb
 
@@ -99,3 +103,28 @@ def test_keep_newest_retention_goes_on_across_a_resume_in_the_same_folder(tmp_pa
     assert _names(folder) == first == ["epoch=1-step=4"]
     _fit(folder, 4, ckpt_path=folder / "epoch=1-step=4")
     assert _names(folder) == ["epoch=1-step=4", "epoch=3-step=8"]
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("where", ["local", "object storage"])
+def test_a_new_run_in_the_same_folder_never_replaces_the_earlier_runs_checkpoints(
+    tmp_path: Path, memory_url: str, where: str
+) -> None:
+    # The second run used to save its epoch=1-step=4 over the first run's, which was lost.
+    import fsspec
+
+    folder: Any = tmp_path / "ckpts" if where == "local" else CheckpointURL(f"{memory_url}/ckpts")
+    first = _fit(folder, 2, root=tmp_path, save_last=True)  # saves epoch=0-step=2, keeps epoch=1-step=4 (save_top_k=1)
+    kept = torchrig.checkpoint.module_weights(first.last_model_path)
+    torch.manual_seed(7)
+    second = _fit(folder, 2, root=tmp_path, save_last=True)  # a new run, not resumed: the same names come up
+    if where == "local":
+        names = _names(folder)
+    else:
+        fs = fsspec.filesystem("memory")
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(folder.removeprefix("memory://"), detail=False))
+    assert names == ["epoch=1-step=4", "epoch=1-step=4-v1", "last"]  # its own epoch 0 went, not the first run's
+    assert second.last_model_path == str(folder / "epoch=1-step=4-v1") == second.best_model_path
+    for name, weights in torchrig.checkpoint.module_weights(str(folder / "epoch=1-step=4")).items():
+        assert all(torch.equal(t, kept[name][k]) for k, t in weights.items())  # the first run's, as it was
+    assert torchrig.checkpoint.read_values(str(folder / "last"))["step"] == 4

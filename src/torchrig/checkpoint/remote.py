@@ -44,7 +44,7 @@ from torchrig.checkpoint.failures import link_not_moved, not_pruned
 from torchrig.checkpoint.files import HashingWriter, resolve_checkpoint
 from torchrig.checkpoint.meta import META, META_LIMIT
 from torchrig.checkpoint.progress import least_advanced, next_save_count
-from torchrig.checkpoint.reading import hashed_on_arrival, read_meta, wrong_size
+from torchrig.checkpoint.reading import hashed_on_arrival, read_meta, read_meta_quiet, wrong_size
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 _VERSION = re.compile(r"v-[0-9]{20}-[0-9a-f]{8}")
@@ -84,6 +84,15 @@ def lexists(path: Path | CheckpointURL) -> bool:
         fs, root = _filesystem(path)
         return bool(fs.exists(root))
     return os.path.lexists(path)
+
+
+def holds_checkpoint(path: Path | CheckpointURL) -> bool:
+    """Whether a torchrig checkpoint is at ``path``: a real directory (not a link) holding a valid
+    ``meta.json``, or a name on object storage with a committed version."""
+    if isinstance(path, CheckpointURL):
+        fs, root = _filesystem(path)
+        return any(_cat(fs, f"{v}/{META}", 0) is not None for v in _versions(fs, root))
+    return path.is_dir() and not path.is_symlink() and read_meta_quiet(path) is not None
 
 
 def as_url(path: Any) -> CheckpointURL | None:
@@ -573,13 +582,14 @@ def _committed_beside(fs: Any, root: str) -> list[tuple[dict[str, Any], str]]:
 
 
 def _remove_name(fs: Any, prefix: str) -> None:
-    """Delete every version of a checkpoint name, each ``meta.json`` first, then the name itself if
-    nothing else is under it (an object someone put there stays; so does a bucket)."""
+    """Delete every version of a checkpoint name, each ``meta.json`` first, then what is left of the
+    name (the folders of a store that keeps them) if no object is under it: an object someone
+    put there stays. (Not ``rmdir``: gcsfs's deletes the bucket.)"""
     for version in _versions(fs, prefix):
         _remove(fs, version)
-    if "/" in prefix:  # a key in a bucket, never the bucket
-        with contextlib.suppress(OSError):  # not empty (FileExistsError on S3), or no folder to remove
-            fs.rmdir(prefix)
+    if not fs.find(prefix):
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(prefix, recursive=True)
 
 
 def remove_checkpoint(url: CheckpointURL) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torchrig import arguments
 from torchrig.checkpoint.background import SaveHandle
 from torchrig.checkpoint.meta import trained_epoch
-from torchrig.checkpoint.remote import CheckpointURL, as_url, local_path, remove_checkpoint
+from torchrig.checkpoint.remote import CheckpointURL, as_url, holds_checkpoint, local_path, remove_checkpoint
 from torchrig.strategies.agreement import default_store, every_rank_arrives
 from torchrig.trainer.callbacks import EVERY_TIME, Callback, EventSchedule
 from torchrig.trainer.metrics import to_floats
@@ -283,11 +283,13 @@ class ModelCheckpoint(Callback):
         score = self._score(trainer)
         self._adopt_restored(trainer)
         folder = self._folder(trainer)
-        path, self._kept_in = folder / self.format_name(trainer), str(folder)
+        path = self._unclaimed(folder, self.format_name(trainer)) if trainer.is_global_zero else None
+        self._kept_in = str(folder)
         ranked = self.monitor is not None and self.save_top_k != 0
         keep = ranked and self._in_top_k(score)
         # Rank zero decides, so every rank takes part in the same saves (a save is collective).
-        keep, write = trainer.rig.broadcast((keep, keep or self.save_last or (not ranked and self.save_top_k != 0)))
+        write = keep or self.save_last or (not ranked and self.save_top_k != 0)
+        keep, write, path = trainer.rig.broadcast((keep, write, path))
         if not write:
             return None
         # The bookkeeping is updated first so that the checkpoint itself records it.
@@ -329,11 +331,22 @@ class ModelCheckpoint(Callback):
             name = self.format_name(trainer)
         except ValueError:
             name = f"epoch={checkpoint_epoch(trainer)}-step={trainer.global_step}"
-        path, self._kept_in = folder / name, str(folder)
+        path = trainer.rig.broadcast(self._unclaimed(folder, name) if trainer.is_global_zero else None)
+        self._kept_in = str(folder)
         self._last_step_saved, self.last_model_path = trainer.global_step, str(path)
         if str(path) not in self._saved:
             self._saved.append(str(path))
         return trainer.save_checkpoint(path, link="last")
+
+    def _unclaimed(self, folder: Path | CheckpointURL, name: str) -> Path | CheckpointURL:
+        """``folder / name``, or where a checkpoint this callback did not write is there (an earlier
+        run's in the same ``dirpath``), ``name-v1``, ``name-v2``... as Lightning names it: a new run
+        never replaces another run's checkpoint. Anything else there is refused by the save."""
+        path, version = folder / name, 0
+        while str(path) not in self._saved and holds_checkpoint(path):
+            version += 1
+            path = folder / f"{name}-v{version}"
+        return path
 
     def format_name(self, trainer: Trainer) -> str:
         """The directory name for the current epoch, step and metrics."""
