@@ -6,6 +6,7 @@ non-tensor items through a ``weights_only`` load planner (DCP's default planner 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import pathlib
@@ -198,12 +199,17 @@ def parse_dcp_metadata(path: Path, data: bytes, files: Collection[str]) -> Any:
     return md
 
 
-def checked_reader(folder: Path, md: Any, before_read: Callable[[set[str]], None]) -> Any:
+def checked_reader(
+    folder: Path, md: Any, before_read: Callable[[set[str]], None], *, checkpoint: str | None = None
+) -> Any:
     """DCP's file reader for ``folder``, whose metadata is ``md`` (already read safely), never the file.
 
     ``before_read(names)`` gets the shard files this rank's read plan names (and no other) as the
     rank plans, before any rank reads: it makes them present and checks them. What it raises on
     any rank fails the load on every rank (DCP gathers the plans) before a tensor is written.
+    ``checkpoint`` names what this rank found at ``folder`` (a digest of its ``meta.json``): each
+    rank's plan carries it, and ranks that found different checkpoints there (another process
+    saved while they looked) are refused together, as they plan, instead of reading a mix.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -217,7 +223,18 @@ def checked_reader(folder: Path, md: Any, before_read: Callable[[set[str]], None
 
         def prepare_local_plan(self, plan: Any) -> Any:  # DCP gathers its failure from every rank
             before_read({self.storage_data[item.storage_index].relative_path for item in plan.items})
-            return plan
+            return dataclasses.replace(plan, storage_data=checkpoint)
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:  # rank zero, every rank's plan
+            found = [p.storage_data for p in plans]
+            if len(set(found)) > 1:
+                ranks = {f: [r for r, g in enumerate(found) if g == f] for f in dict.fromkeys(found)}
+                shown = "; ".join(f"ranks {r} one (meta.json {str(f)[:12]})" for f, r in ranks.items())
+                raise CheckpointError(
+                    f"the ranks found different checkpoints at {folder} ({shown}): another process saved there "
+                    "while they loaded it; nothing was loaded on any rank: load it again"
+                )
+            return list(super().prepare_global_plan(plans))
 
     return CheckedReader(str(folder))
 

@@ -13,6 +13,8 @@ SHA-256 of every file, rename.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -400,7 +402,7 @@ def load(
     stateless, nested = _stateless_in(md, wanted), _nested_in(md, wanted)
     shards = dcp_state({k: m for k, m in modules.items() if k in entries}, wanted, stateless, nested)
     with refuse_code(folder):
-        storage = checked_reader(folder, md, _shards_ready(folder, meta, verify=verify))
+        storage = checked_reader(folder, md, _shards_ready(folder, meta, verify=verify), checkpoint=_identity(meta))
         dcp.load(shards, storage_reader=storage, planner=safe_planner())
     for k, m in modules.items():
         if k in shards:
@@ -411,6 +413,12 @@ def load(
             options = _optimizer_options(k, nested | stateless)
             set_optimizer_state_dict(_owner(modules, o), o, shards[k], options=options)
     return apply_loaded(rig, entries, blob, {}, rest, strict=strict, device=rig.device)
+
+
+def _identity(meta: dict[str, Any]) -> str:
+    """What tells one committed checkpoint from another: a digest of its ``meta.json`` content
+    (every file's SHA-256, the save's count)."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
 
 def _check_before_dcp(
