@@ -87,6 +87,13 @@ class Buckets(Sampler[list[int]]):
         return math.ceil(self.n / self.size)
 
 
+class LazyBuckets(Buckets):
+    """:class:`Buckets` whose ``__iter__`` is a generator function: it draws at its first batch."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from super().__iter__()
+
+
 _WEIGHTS = torch.linspace(0.1, 1, N)
 
 #: name -> the DataLoader (given its number of workers); each is built anew per process, its
@@ -108,6 +115,13 @@ KINDS: dict[str, Callable[[int], DataLoader[Any]]] = {
     ),
     "shuffle_generator": lambda w: DataLoader(Items(), batch_size=BATCH, shuffle=True, generator=_g(), num_workers=w),
     "buckets": lambda w: DataLoader(Items(), batch_sampler=Buckets(N, BATCH), num_workers=w),
+    # torch draws no base seed when a persistent iterator starts its next epoch: a resumed run neither
+    "persistent_workers_weighted": lambda w: DataLoader(
+        Items(), batch_size=BATCH, sampler=WeightedRandomSampler(_WEIGHTS, N), num_workers=w, persistent_workers=w > 0
+    ),
+    "persistent_workers_lazy_buckets": lambda w: DataLoader(
+        Items(), batch_sampler=LazyBuckets(N, BATCH), num_workers=w, persistent_workers=w > 0
+    ),
     "random_num_samples": lambda w: DataLoader(
         Items(), batch_size=BATCH, sampler=RandomSampler(Items(), num_samples=20), num_workers=w
     ),
@@ -154,7 +168,10 @@ def test_stopped_after_any_batch_and_resumed_once_or_twice_a_run_gives_the_unint
     assert wrong == []
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+# (persistent workers outlive each loader of the run in pieces: their shutdown takes seconds)
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=pytest.mark.slow) if k.startswith("persistent") else k for k in sorted(KINDS)]
+)
 def test_with_workers_stopped_in_each_epoch_and_at_its_end_a_run_gives_the_uninterrupted_batches(kind: str) -> None:
     def make() -> RigDataLoader:
         return _prepared(KINDS[kind](2))
