@@ -49,6 +49,7 @@ class Preparing:
         _prepared: weakref.WeakValueDictionary[int, Any]
         _compile: speedups.Compile | None
         _activation_checkpointing: speedups.ActivationCheckpointing | None
+        backwards_unstepped: int
 
         @property
         def strategy(self) -> Strategy: ...
@@ -138,11 +139,16 @@ class Preparing:
             )
         check_optimizer_eps(optimizer, self.precision.name)
         optimizer = self.strategy.setup_optimizer(optimizer)
+        optimizer.register_step_post_hook(self._stepped)
         for state in optimizer.state.values():  # state created before prepare follows the params
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and k != "step":
                     state[k] = v.to(self.device)
         return wrap_optimizer(optimizer, self.precision)
+
+    def _stepped(self, *_: Any) -> None:
+        """A prepared optimizer stepped: the gradients accumulated so far are in the weights."""
+        self.backwards_unstepped = 0
 
     def setup_dataloader(self, loader: DataLoader[Any], *, use_distributed_sampler: bool = True) -> RigDataLoader:
         """A new loader over ``loader``'s data for this Rig: batches on its device, each process

@@ -102,6 +102,9 @@ class Rig(Preparing, SaveLoad):
         #: prepared loaders to give out a batch (None before the first). ``gather_for_metrics``
         #: reads it to drop the duplicates a distributed sampler pads that loader's last batch with.
         self.current_loader: RigDataLoader | None = None
+        #: Backward passes since a prepared optimizer last stepped (gradients accumulated that no
+        #: checkpoint holds): ``save`` warns while there are any.
+        self.backwards_unstepped = 0
         self._launched = False
         self._signal_watch: SignalWatch | None = None
         #: ``rig.save(..., blocking=False)``: the save under way, its host memory and process group.
@@ -182,6 +185,7 @@ class Rig(Preparing, SaveLoad):
         """``loss.backward()`` through the precision (scaled under 16-mixed)."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"rig.backward(loss) takes the loss tensor; got {type(loss).__name__}")
+        self.backwards_unstepped += 1
         self.plan.precision.backward(loss, **kwargs)
 
     def forward_backward(
@@ -210,6 +214,7 @@ class Rig(Preparing, SaveLoad):
                 f"forward_backward() takes the module prepare() returned; got a {type(module).__name__}: "
                 "call model = rig.prepare(model) first"
             )
+        self.backwards_unstepped += 1
         return self.strategy.forward_backward(module, loss_fn, args, target)
 
     def clip_gradients(

@@ -8,6 +8,7 @@ crash-loop check of torchrun restarts), at once or when a background save commit
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -24,6 +25,7 @@ class SaveLoad:
     """``save`` and ``load`` of :class:`~torchrig.Rig`."""
 
     if TYPE_CHECKING:  # what the Rig holds (rig.py)
+        backwards_unstepped: int
 
         @property
         def strategy(self) -> Strategy: ...
@@ -75,6 +77,15 @@ class SaveLoad:
         ``blocking=False`` returns a :class:`~torchrig.checkpoint.SaveHandle` once a snapshot is
         taken; the files are written in the background (docs/checkpoints.md, "Async saves").
         """
+        unstepped = self.backwards_unstepped
+        if unstepped:
+            warnings.warn(
+                f"rig.save(): {unstepped} backward pass{'es' if unstepped != 1 else ''} ran since a prepared optimizer "
+                "last stepped; a checkpoint holds the weights and the optimizer's state, not the gradients accumulated "
+                "since, so a run resumed from it loses them and its weights differ from the run never stopped. Save "
+                "right after optimizer.step() (at the end of an accumulation window)",
+                stacklevel=2,
+            )
         saved = checkpoint.save(self, path, state, keep_last=keep_last, link=link, blocking=blocking)
         if not isinstance(saved, SaveHandle):
             self.strategy.record_progress()  # for the crash-loop check of torchrun restarts

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from test_data_resume import IdRegressor, Samples, Stream, _hf_stream, assert_same_fit, fit_in_pieces
-from torch.utils.data import DataLoader, WeightedRandomSampler
+from torch.utils.data import BatchSampler, DataLoader, WeightedRandomSampler
 from trainer_helpers import quiet_trainer
 
 import torchrig
@@ -33,6 +33,19 @@ PIPELINES: dict[str, Callable[[], DataLoader[Any]]] = {
     "shuffled": lambda: DataLoader(Samples(40), batch_size=4, shuffle=True),
     "weighted": lambda: DataLoader(
         Samples(40), batch_size=4, sampler=WeightedRandomSampler(torch.linspace(0.1, 1, 40), 40)
+    ),
+    # a sampler drawing from its own generator (its state saved), inside torch's BatchSampler too
+    "weighted_generator": lambda: DataLoader(
+        Samples(40),
+        batch_size=4,
+        sampler=WeightedRandomSampler(torch.linspace(0.1, 1, 40), 40, generator=torch.Generator().manual_seed(5)),
+        num_workers=2,
+    ),
+    "batch_sampler_weighted_generator": lambda: DataLoader(
+        Samples(40),
+        batch_sampler=BatchSampler(
+            WeightedRandomSampler(torch.linspace(0.1, 1, 40), 40, generator=torch.Generator().manual_seed(5)), 4, False
+        ),
     ),
     "stateful_stream": lambda: DataLoader(Stream(40), batch_size=4),
     "stateful_stream_workers": lambda: DataLoader(Stream(40), batch_size=4, num_workers=2),

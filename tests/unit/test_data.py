@@ -158,6 +158,18 @@ def test_a_hugging_face_stream_shuffled_with_a_buffer_is_found_through_the_steps
 
     table = Dataset.from_dict({"id": list(range(16))})
     plain, buffered = table.to_iterable_dataset(num_shards=4), _hf_buffered()
+    # datasets has no public way to say a stream is shuffled with a buffer: shuffle_buffer walks its
+    # private chain of examples iterables. If datasets renames it, this says so (not a silent None).
+    from datasets.iterable_dataset import BufferShuffledExamplesIterable
+
+    chain = getattr(buffered, "_ex_iterable", None)
+    assert chain is not None and hasattr(chain, "ex_iterable"), (
+        "datasets changed IterableDataset's private _ex_iterable chain: torchrig.data.iterable.shuffle_buffer "
+        "no longer finds a shuffle buffer; find it another way"
+    )
+    assert isinstance(chain, BufferShuffledExamplesIterable) or isinstance(
+        chain.ex_iterable, BufferShuffledExamplesIterable
+    ), f"datasets' chain of a buffered stream starts {type(chain).__name__}: shuffle_buffer must follow the change"
     for after in (
         buffered,
         buffered.map(lambda row: row),

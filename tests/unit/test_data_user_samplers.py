@@ -5,6 +5,7 @@ resumed, once or twice, gives the uninterrupted run's batches: a sampler drawing
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from collections.abc import Callable, Iterator
@@ -16,9 +17,11 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    DistributedSampler,
     RandomSampler,
     Sampler,
     SequentialSampler,
+    Subset,
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
@@ -35,7 +38,33 @@ assert _spec is not None and _spec.loader is not None
 harness = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(harness)
 N, BATCH, Items = harness.N, harness.BATCH, harness.Items
-BATCHES = 2 * N // BATCH  # the runs: two epochs
+
+
+@dataclasses.dataclass
+class Batch:
+    id: torch.Tensor
+
+
+def _ids(batch: Any) -> list[int]:
+    """The sample ids of a batch: a tensor, a mapping's ``id`` (a dict, a ``BatchEncoding``), a dataclass's."""
+    if isinstance(batch, Batch):
+        batch = batch.id
+    elif not isinstance(batch, torch.Tensor):
+        batch = batch["id"]
+    return batch.flatten().tolist()  # type: ignore[no-any-return]
+
+
+harness.ids = _ids  # (this module's own copy of the harness)
+
+
+def _to_dataclass(items: list[torch.Tensor]) -> Batch:
+    return Batch(torch.stack(items))
+
+
+def _to_batch_encoding(items: list[torch.Tensor]) -> Any:
+    from transformers import BatchEncoding
+
+    return BatchEncoding({"id": torch.stack(items)})
 
 
 def _g() -> torch.Generator:
@@ -56,6 +85,13 @@ class Buckets(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return math.ceil(self.n / self.size)
+
+
+class LazyBuckets(Buckets):
+    """:class:`Buckets` whose ``__iter__`` is a generator function: it draws at its first batch."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from super().__iter__()
 
 
 _WEIGHTS = torch.linspace(0.1, 1, N)
@@ -79,6 +115,32 @@ KINDS: dict[str, Callable[[int], DataLoader[Any]]] = {
     ),
     "shuffle_generator": lambda w: DataLoader(Items(), batch_size=BATCH, shuffle=True, generator=_g(), num_workers=w),
     "buckets": lambda w: DataLoader(Items(), batch_sampler=Buckets(N, BATCH), num_workers=w),
+    # torch draws no base seed when a persistent iterator starts its next epoch: a resumed run neither
+    "persistent_workers_weighted": lambda w: DataLoader(
+        Items(), batch_size=BATCH, sampler=WeightedRandomSampler(_WEIGHTS, N), num_workers=w, persistent_workers=w > 0
+    ),
+    "persistent_workers_lazy_buckets": lambda w: DataLoader(
+        Items(), batch_sampler=LazyBuckets(N, BATCH), num_workers=w, persistent_workers=w > 0
+    ),
+    "random_num_samples": lambda w: DataLoader(
+        Items(), batch_size=BATCH, sampler=RandomSampler(Items(), num_samples=20), num_workers=w
+    ),
+    "users_distributed_sampler": lambda w: DataLoader(
+        Items(), batch_size=BATCH, sampler=DistributedSampler(Items(), num_replicas=1, rank=0, seed=3), num_workers=w
+    ),
+    "batch_size_none": lambda w: DataLoader(Items(), batch_size=None, shuffle=True, num_workers=w),
+    "short_last_batch": lambda w: DataLoader(
+        Subset(Items(), range(N - 2)), batch_size=BATCH, shuffle=True, num_workers=w
+    ),
+    "drop_last": lambda w: DataLoader(
+        Subset(Items(), range(N + 2)), batch_size=BATCH, shuffle=True, drop_last=True, num_workers=w
+    ),
+    "dataclass_batches": lambda w: DataLoader(
+        Items(), batch_size=BATCH, shuffle=True, collate_fn=_to_dataclass, num_workers=w
+    ),
+    "batch_encoding_batches": lambda w: DataLoader(
+        Items(), batch_size=BATCH, shuffle=True, collate_fn=_to_batch_encoding, num_workers=w
+    ),
 }
 
 
@@ -96,23 +158,27 @@ def test_stopped_after_any_batch_and_resumed_once_or_twice_a_run_gives_the_unint
         return _prepared(KINDS[kind](0))
 
     whole = harness.whole_run(make)
-    assert len(whole) == BATCHES
+    batches = len(whole)  # two epochs
     wrong = [
         stops
-        for k in range(1, BATCHES + 1)
+        for k in range(1, batches + 1)
         for stops in ([k], [k, 1])
         if harness.run_in_pieces(make, stops, end_workers=False)[0] != whole
     ]
     assert wrong == []
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+# (persistent workers outlive each loader of the run in pieces: their shutdown takes seconds)
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=pytest.mark.slow) if k.startswith("persistent") else k for k in sorted(KINDS)]
+)
 def test_with_workers_stopped_in_each_epoch_and_at_its_end_a_run_gives_the_uninterrupted_batches(kind: str) -> None:
     def make() -> RigDataLoader:
         return _prepared(KINDS[kind](2))
 
     whole = harness.whole_run(make)
-    for stops in ([1], [N // BATCH], [N // BATCH + 2, 1]):  # the first batch, the epoch's end, twice in the next
+    per_epoch = len(whole) // 2
+    for stops in ([1], [per_epoch], [per_epoch + 2, 1]):  # the first batch, the epoch's end, twice in the next
         assert harness.run_in_pieces(make, stops, end_workers=True)[0] == whole, stops
 
 

@@ -3,6 +3,7 @@ its position, and reading a stream one batch ahead."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sized
@@ -135,6 +136,8 @@ class RigDataLoader:
         self._seen_again: str | None = None
         #: An epoch was started and not read to its end (its iterator may hold worker processes).
         self._unfinished = False
+        #: Whether this loader has made an iterator of the wrapped loader (a persistent one keeps it).
+        self._iterated = False
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -172,7 +175,9 @@ class RigDataLoader:
             it = iter(()) if loaded.get("ended") else self._resumed_epoch(skip, own[0])
         else:
             self._epoch_rng = {"torch": torch.get_rng_state(), "generator": None, **self._generator_states()}
-            it = iter(self.loader)
+            with self._no_second_base_seed(self.loader):
+                it = iter(self.loader)
+            self._iterated = True
         self.at_last_batch = False
         if self.look_ahead and math.isinf(length_of(self.loader)):
             it = self._read_ahead(it)
@@ -263,6 +268,8 @@ class RigDataLoader:
             batches = loader.batch_sampler
             indices = ResumedIndices(loader.sampler if batches is None else batches, skip)
             kw = loader_kwargs(loader)
+            if self._keeps_workers(loader):  # (its base seed, drawn from a generator of its own)
+                kw["generator"] = torch.Generator().manual_seed(self.seed + self.epoch)
             if batches is not None:
                 one_epoch = DataLoader(loader.dataset, batch_sampler=indices, **kw)
             else:
@@ -270,6 +277,29 @@ class RigDataLoader:
             it = iter(one_epoch)
             indices.start()  # the order is drawn here, from the epoch's state
             return it
+
+    def _keeps_workers(self, loader: DataLoader[Any]) -> bool:
+        """Whether an iterator of ``loader`` made now draws a base seed the run never stopped did not
+        draw: its workers are persistent, and this epoch, not the run's first, is the first this
+        process reads (a resumed run). torch draws the workers' base seed from torch's RNG (or the
+        loader's generator) when it makes a loader's iterator, not when a persistent one starts its
+        next epoch; a draw there would move the RNG an order is then drawn from (a
+        ``WeightedRandomSampler``, a batch sampler's ``randperm``) away from the run never stopped."""
+        return loader.persistent_workers and loader.num_workers > 0 and self.epoch > 0 and not self._iterated
+
+    @contextlib.contextmanager
+    def _no_second_base_seed(self, loader: DataLoader[Any]) -> Iterator[None]:
+        """While ``iter(loader)`` makes its iterator: when :meth:`_keeps_workers`, the base seed is
+        drawn from a generator of its own (seeded by the run's seed and the epoch), not from torch's
+        RNG or the loader's generator, whose states are the run never stopped's for this epoch."""
+        if not self._keeps_workers(loader):
+            yield
+            return
+        own, loader.generator = loader.generator, torch.Generator().manual_seed(self.seed + self.epoch)
+        try:
+            yield
+        finally:
+            loader.generator = own
 
     def _generators(self) -> dict[str, torch.Generator]:
         """The generators the loader draws from besides torch's: its own (``generator``, the
