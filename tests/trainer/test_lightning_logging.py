@@ -24,12 +24,17 @@ TRAIN_LOGS: list[tuple[str, dict[str, Any]]] = [
     ("epoch_only", {"on_step": False, "on_epoch": True}),
     ("both", {"on_step": True, "on_epoch": True, "prog_bar": True}),
     ("hidden", {"on_step": True, "on_epoch": True, "logger": False}),
+    ("largest", {"on_epoch": True, "reduce_fx": "max"}),
+    ("total", {"on_step": False, "on_epoch": True, "reduce_fx": "sum"}),
+    ("smallest", {"on_step": False, "on_epoch": True, "reduce_fx": torch.min}),
 ]
 #: logged in validation_step (each loader's value shifted by its index)
 VAL_LOGS: list[tuple[str, dict[str, Any]]] = [
     ("val_plain", {}),
     ("val_both", {"on_step": True}),
     ("val_bar", {"prog_bar": True}),
+    ("val_max", {"reduce_fx": "max"}),
+    ("val_sum", {"reduce_fx": torch.sum, "sync_dist": True}),
 ]
 
 
@@ -106,7 +111,8 @@ def classes(module_base: type, callback_base: type) -> tuple[type, type, list[An
     return Module, Recorder, seen
 
 
-def data(n: int = 16, seed: int = 0) -> DataLoader[Any]:
+def data(n: int = 18, seed: int = 0) -> DataLoader[Any]:
+    """Batches of 4 and a last one of 2: epoch means weighted by each batch's size, as Lightning's."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, generator=g)
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
@@ -124,7 +130,7 @@ def run(framework: str, stage: str, tmp_path: Any, loaders: int, **settings: Any
         module_cls, recorder_cls, seen = classes(torchrig.TrainingModule, torchrig.Callback)
         trainer = torchrig.Trainer(accelerator="cpu", devices=1, callbacks=[recorder_cls()], **common)
     module = module_cls()
-    evaluation = [data(8, seed=1 + i) for i in range(loaders)]
+    evaluation = [data(10, seed=1 + i) for i in range(loaders)]
     evaluation_arg = evaluation[0] if loaders == 1 else evaluation
     if stage == "fit":
         result = trainer.fit(module, data(), evaluation_arg)
@@ -183,3 +189,61 @@ def test_evaluation_logs_and_passes_what_lightning_does(tmp_path: Any, stage: st
     assert_same(theirs, ours)
     steps = [s for s in ours["seen"] if s[0].endswith("_step")]
     assert {s[2] for s in steps} == set(range(loaders))  # dataloader_idx reached every step
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"reduce_fx": "median"}, "self.log('x', reduce_fx='median'): torchrig reduces with 'mean', 'sum', 'max'"),
+        ({"enable_graph": True}, "self.log('x', enable_graph=True) is not supported by torchrig: values are kept"),
+        ({"sync_dist_group": 1}, "self.log('x', sync_dist_group=1) is not supported by torchrig: sync_dist reduces"),
+        ({"add_dataloader_idx": False}, "self.log('x', add_dataloader_idx=False) is not supported by torchrig"),
+        ({"metric_attribute": "acc"}, "self.log('x', metric_attribute='acc') is not supported by torchrig: log a"),
+        ({"rank_zero_only": True, "sync_dist": True}, "a value logged on rank 0 only cannot be reduced across"),
+    ],
+)
+def test_lightnings_log_arguments_torchrig_does_not_do_are_refused(
+    tmp_path: Any, options: dict[str, Any], message: str
+) -> None:
+    class Logs(torchrig.TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("x", loss, **options)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = torchrig.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(ValueError) as info:
+        trainer.fit(Logs(), data())
+    assert message in str(info.value)
+
+
+def test_the_batch_size_is_inferred_from_the_first_tensor_and_said_when_it_cannot_be() -> None:
+    from torchrig.trainer.metrics import MetricStore
+    from torchrig.trainer.run import LogSink
+
+    sink = LogSink(MetricStore(device=torch.device("cpu")))
+    assert sink.batch_size() == 1  # outside a batch (an epoch-end hook)
+    sink.at_batch({"ids": torch.zeros(3, 5, dtype=torch.long), "labels": [torch.zeros(3)]})
+    assert sink.batch_size() == 3
+    sink.at_batch(["no", "tensors"])
+    with pytest.warns(UserWarning, match="could not infer the batch size from a batch of type list"):
+        assert sink.batch_size() == 1
+    sink.at_batch((torch.zeros(2, 4), torch.zeros(5)))
+    with pytest.warns(UserWarning, match="inferred the batch size 2 from the batch's first tensor, but its tensors"):
+        assert sink.batch_size() == 2

@@ -226,8 +226,10 @@ class Run(StepRunner, EvalLoops):
         sparse, interval = self.sparse_batch_end()
         clock, timed, val_at_last = time.perf_counter, tr.max_time is not None, isinstance(tr.val_check_interval, float)
         poll, stop = self.signals.poll, 0
+        at_batch = self.sink.at_batch  # the training step's sink (run_batches)
         for batch in self.transferred(batches, 0):
             is_last = batch_idx + 1 >= n or (ends is not None and ends.at_last_batch)
+            at_batch(batch)
             for hook in batch_start:
                 hook(batch, batch_idx)
             output = one_batch(batch, batch_idx, is_last)

@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from torchrig import arguments
 from torchrig.trainer.hooks import ModelHooks
-from torchrig.trainer.metrics import LogOptions
+from torchrig.trainer.metrics import REDUCTIONS, LogOptions
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -279,8 +279,14 @@ class TrainingModule(nn.Module, ModelHooks):
         logger: bool = True,
         on_step: bool | None = None,
         on_epoch: bool | None = None,
+        reduce_fx: str | Callable[..., Any] = "mean",
+        enable_graph: bool = False,
         sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
         batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
     ) -> None:
         """Log a scalar. It stays on the device; loggers and callbacks read it later.
 
@@ -291,8 +297,19 @@ class TrainingModule(nn.Module, ModelHooks):
             logger: send it to the logger.
             on_step: record the value of each step (default: True in ``training_step``, else False).
             on_epoch: record the epoch mean (default: False in ``training_step``, else True).
-            sync_dist: average across processes (step values when logged, epoch means when reduced).
-            batch_size: the weight of this value in the epoch mean (default 1).
+            reduce_fx: how the epoch's values are reduced: ``"mean"`` (weighted by ``batch_size``),
+                ``"sum"``, ``"max"``, ``"min"``, or ``torch.mean``/``sum``/``max``/``min``.
+            enable_graph: Lightning's; only False (values are kept detached).
+            sync_dist: reduce across processes with ``reduce_fx`` (step values when logged, epoch
+                values when reduced).
+            sync_dist_group: Lightning's; only None (every process).
+            add_dataloader_idx: Lightning's; only True (with several evaluation loaders each
+                loader's values are kept apart as ``name/dataloader_idx_N``).
+            batch_size: the weight of this value in the epoch mean (default: the batch's size,
+                the first dimension of its first tensor, as Lightning infers it).
+            metric_attribute: Lightning's, for torchmetrics objects; only None (log tensors).
+            rank_zero_only: Lightning's; the value is logged as it is (it is not reduced across
+                processes, so ``sync_dist`` must be False).
         """
         trainer = self._trainer
         if trainer is None:
@@ -300,9 +317,14 @@ class TrainingModule(nn.Module, ModelHooks):
             return
         # One small tuple and one dict lookup per call: the options object is built once per flags.
         sink = trainer.run.sink  # where the running loop's block sends values (RunState.log_into)
-        options = _OPTIONS.get((prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step))
-        if options is None:
-            options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step)
+        key = (prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step, reduce_fx)
+        options = _OPTIONS.get(key) if not (enable_graph or sync_dist_group or metric_attribute) else None
+        if options is None or not add_dataloader_idx or rank_zero_only:
+            _refuse_lightning_only(name, enable_graph, sync_dist_group, add_dataloader_idx, metric_attribute)
+            _refuse_lightning_only_sync(name, rank_zero_only, sync_dist)
+            options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step, reduce_fx)
+        if batch_size is None and options.on_epoch and options.reduce_fx == "mean":
+            batch_size = sink.batch_size()  # the batch's size, as Lightning weighs an epoch mean
         # With several eval loaders, each loader's values are kept apart (``name/dataloader_idx_N``).
         sink.store.log(name + sink.suffix, value, options, batch_size)
 
@@ -313,15 +335,70 @@ class TrainingModule(nn.Module, ModelHooks):
 
 
 def _log_options(
-    name: str, prog_bar: bool, logger: bool, on_step: bool | None, on_epoch: bool | None, sync_dist: bool, in_step: bool
+    name: str,
+    prog_bar: bool,
+    logger: bool,
+    on_step: bool | None,
+    on_epoch: bool | None,
+    sync_dist: bool,
+    in_step: bool,
+    reduce_fx: Any,
 ) -> LogOptions:
     """The (cached) LogOptions of one combination of ``self.log`` flags, in or out of a training step."""
     step = in_step if on_step is None else on_step
     epoch = (not in_step) if on_epoch is None else on_epoch
     if not (step or epoch):
         raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing; set one to True")
-    options = LogOptions(bool(prog_bar), bool(logger), bool(step), bool(epoch), sync_dist=bool(sync_dist))
-    return _OPTIONS.setdefault((prog_bar, logger, on_step, on_epoch, sync_dist, in_step), options)
+    reduce = _REDUCE_FX.get(reduce_fx) if isinstance(reduce_fx, str) or callable(reduce_fx) else None
+    if reduce is None:
+        raise ValueError(
+            f"self.log({name!r}, reduce_fx={reduce_fx!r}): torchrig reduces with 'mean', 'sum', 'max' or 'min' "
+            "(or torch.mean, torch.sum, torch.max, torch.min); reduce another way in on_*_epoch_end and log the result"
+        )
+    options = LogOptions(bool(prog_bar), bool(logger), bool(step), bool(epoch), bool(sync_dist), reduce)
+    return _OPTIONS.setdefault((prog_bar, logger, on_step, on_epoch, sync_dist, in_step, reduce_fx), options)
+
+
+#: ``reduce_fx`` as Lightning takes it (a name or torch's function) -> the reduction's name.
+_REDUCE_FX: dict[Any, str] = {
+    **{name: name for name in REDUCTIONS},
+    torch.mean: "mean",
+    torch.sum: "sum",
+    torch.max: "max",
+    torch.min: "min",
+}
+
+
+def _refuse_lightning_only(
+    name: str, enable_graph: bool, sync_dist_group: Any, add_dataloader_idx: bool, metric_attribute: str | None
+) -> None:
+    """Refuse the ``self.log`` arguments of Lightning torchrig does not do, naming what to do instead."""
+    refused = {
+        "enable_graph=True": (enable_graph, "values are kept detached; keep the tensor yourself to backpropagate"),
+        f"sync_dist_group={sync_dist_group!r}": (
+            sync_dist_group is not None,
+            "sync_dist reduces across every process; reduce over a group yourself with torch.distributed",
+        ),
+        "add_dataloader_idx=False": (
+            not add_dataloader_idx,
+            "with several evaluation loaders each loader's values are kept apart as name/dataloader_idx_N",
+        ),
+        f"metric_attribute={metric_attribute!r}": (
+            metric_attribute is not None,
+            "log a tensor (a torchmetrics metric's metric.compute() in on_*_epoch_end)",
+        ),
+    }
+    for argument, (given, instead) in refused.items():
+        if given:
+            raise ValueError(f"self.log({name!r}, {argument}) is not supported by torchrig: {instead}")
+
+
+def _refuse_lightning_only_sync(name: str, rank_zero_only: bool, sync_dist: bool) -> None:
+    if rank_zero_only and sync_dist:
+        raise ValueError(
+            f"self.log({name!r}, rank_zero_only=True, sync_dist=True): a value logged on rank 0 only cannot be "
+            "reduced across processes; drop one of the two"
+        )
 
 
 @dataclass

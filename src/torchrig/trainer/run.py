@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchrig.data import length_of
+from torchrig.nested import batch_sizes
 from torchrig.preemption import SignalWatch
 from torchrig.trainer.callbacks import EVENTS, active_hooks, overrides, sparse_batch_end_hooks, with_trainer
 from torchrig.trainer.metrics import MetricStore
@@ -55,6 +57,35 @@ class LogSink:
     store: MetricStore
     in_step: bool = False
     suffix: str = ""
+    #: The batch the loop is at (None outside a batch): the weight of a value logged without a
+    #: ``batch_size`` in an epoch mean is its size, as Lightning infers it (:meth:`batch_size`).
+    batch: Any = None
+    size: int | None = None  # the batch's size, once asked for
+
+    def at_batch(self, batch: Any) -> None:
+        """The loop is at ``batch`` now (its size is worked out only when a log call needs it)."""
+        self.batch, self.size = batch, None
+
+    def batch_size(self) -> int:
+        """The size of the current batch: the first dimension of its first tensor (1 outside a
+        batch or for a batch without tensors, with a warning for the latter)."""
+        if self.size is None:
+            sizes = iter(batch_sizes(self.batch)) if self.batch is not None else iter((1,))
+            size = next(sizes, None)
+            if size is None:
+                warnings.warn(
+                    f"self.log could not infer the batch size from a batch of type {type(self.batch).__name__} "
+                    "(no tensor in it); its values count once in the epoch mean: pass self.log(..., batch_size=n)",
+                    stacklevel=4,
+                )
+            elif any(other != size for other in sizes):
+                warnings.warn(
+                    f"self.log inferred the batch size {size} from the batch's first tensor, but its tensors "
+                    "differ in their first dimension: pass self.log(..., batch_size=n) to say which it is",
+                    stacklevel=4,
+                )
+            self.size = size or 1
+        return self.size
 
 
 class RunState:
