@@ -42,6 +42,9 @@ class EvalLoops(StepHooks):
                         self.eval_loader(stage, method, loader, None, n)
                 self.emit(f"on_{hook}_epoch_end")
             results = self.end_evaluation(stage, store, len(loaders))
+            if stage == "validate" and self.stage == "fit":
+                # Done: a checkpoint saved from on_validation_end resumes after this validation.
+                self.trainer.fit_state.val_pending = False
             self.emit(f"on_{hook}_end")
             self.emit(f"on_{hook}_model_train")
             return results
