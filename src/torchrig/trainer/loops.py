@@ -229,6 +229,7 @@ class Run(StepRunner, EvalLoops):
         at_batch = self.sink.at_batch  # the training step's sink (run_batches)
         for batch in self.transferred(batches, 0):
             is_last = batch_idx + 1 >= n or (ends is not None and ends.at_last_batch)
+            self.is_last_batch = is_last
             at_batch(batch)
             for hook in batch_start:
                 hook(batch, batch_idx)

@@ -130,6 +130,7 @@ class RunState:
         self.started_at = time.monotonic()
         self.sparse_due = 0.0  # when the sparse batch-end hooks are next called (perf_counter)
         self.skip_backward_sync = False  # inside TrainingModule.no_backward_sync (manual optimization)
+        self.is_last_batch = False  # the training batch being run is its epoch's last (trainer.is_last_batch)
         self.stop_held = False  # a stop was held back for min_epochs/min_steps this fit (said once)
         #: predict: gather and return the predictions (``trainer.predict(return_predictions=...)``)
         self.return_predictions = True

@@ -27,7 +27,8 @@ from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
 from torchrig.trainer import debugging, eval_loops, loops, settings
 from torchrig.trainer.callbacks import TRANSFER_HOOKS, Callback, merge_callbacks, overrides, unknown_hooks
 from torchrig.trainer.datamodule import DataModule
-from torchrig.trainer.module import TrainingModule, parse_optimizers
+from torchrig.trainer.module import TrainingModule
+from torchrig.trainer.optim_config import parse_optimizers
 from torchrig.trainer.resume import align_batch_index, auto_resume, resolve_path, resume
 from torchrig.trainer.summary import summary_table
 from torchrig.wrappers import RigModule
