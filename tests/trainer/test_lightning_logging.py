@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from hook_recording import quiet_lightning
-from torch.utils.data import DataLoader, TensorDataset
+from hook_recording import linear_module, quiet_lightning, sum_data
+from torch.utils.data import DataLoader
+from trainer_helpers import quiet_trainer
 
 import torchrig
 
@@ -57,14 +58,7 @@ def classes(module_base: type, callback_base: type) -> tuple[type, type, list[An
     def note(trainer: Any, *what: Any) -> None:
         seen.append((*what, trainer.global_step, trainer.current_epoch))
 
-    class Module(module_base):  # type: ignore[misc,valid-type]
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(3, 1)
-
-        def loss(self, batch: Any) -> torch.Tensor:
-            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
-
+    class Module(linear_module(module_base)):  # type: ignore[misc]
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             loss = self.loss(batch)
             for name, options in TRAIN_LOGS:
@@ -113,9 +107,7 @@ def classes(module_base: type, callback_base: type) -> tuple[type, type, list[An
 
 def data(n: int = 18, seed: int = 0) -> DataLoader[Any]:
     """Batches of 4 and a last one of 2: epoch means weighted by each batch's size, as Lightning's."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    return sum_data(n, seed)
 
 
 def run(framework: str, stage: str, tmp_path: Any, loaders: int, **settings: Any) -> dict[str, Any]:
@@ -206,28 +198,16 @@ def test_evaluation_logs_and_passes_what_lightning_does(tmp_path: Any, stage: st
 def test_lightnings_log_arguments_torchrig_does_not_do_are_refused(
     tmp_path: Any, options: dict[str, Any], message: str
 ) -> None:
-    class Logs(torchrig.TrainingModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(3, 1)
-
+    class Logs(linear_module(torchrig.TrainingModule)):  # type: ignore[misc]
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            loss = self.loss(batch)
             self.log("x", loss, **options)
             return loss
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = torchrig.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, max_epochs=1, enable_model_summary=False)
     with pytest.raises(ValueError) as info:
         trainer.fit(Logs(), data())
     assert message in str(info.value)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from hook_recording import quiet_lightning
-from torch.utils.data import DataLoader, TensorDataset
+from hook_recording import linear_module, quiet_lightning, sum_data
+from trainer_helpers import quiet_trainer
 
 import torchrig
 
@@ -19,14 +19,7 @@ pl_callbacks = pytest.importorskip("lightning.pytorch.callbacks")
 
 
 def module_class(base: type) -> type:
-    class Module(base):  # type: ignore[misc,valid-type]
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(3, 1)
-
-        def loss(self, batch: Any) -> torch.Tensor:
-            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
-
+    class Module(linear_module(base)):  # type: ignore[misc]
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             loss = self.loss(batch)
             self.log("train_loss", loss, on_step=True, on_epoch=True)
@@ -39,12 +32,6 @@ def module_class(base: type) -> type:
             return torch.optim.SGD(self.parameters(), lr=0.6)  # large: the losses go up and down
 
     return Module
-
-
-def data() -> DataLoader[Any]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(16, 3, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
 
 
 def fit(
@@ -67,7 +54,7 @@ def fit(
     else:
         trainer = torchrig.Trainer(accelerator="cpu", devices=1, callbacks=callbacks, **common)
         module = module_class(torchrig.TrainingModule)()
-    trainer.fit(module, data(), data() if settings.get("limit_val_batches") != 0 else None)
+    trainer.fit(module, sum_data(), sum_data() if settings.get("limit_val_batches") != 0 else None)
     out: dict[str, Any] = {"global_step": trainer.global_step, "epoch": trainer.current_epoch}
     if checkpoint is not None:
         ckpt = callbacks[0]
@@ -129,20 +116,10 @@ def test_a_fit_resumed_from_a_checkpoint_saved_after_a_mid_epoch_validation_is_e
     def run(folder: Path, ckpt_path: Path | None = None) -> tuple[torchrig.ModelCheckpoint, Any]:
         torch.manual_seed(0)
         checkpoint = torchrig.ModelCheckpoint(dirpath=folder, monitor="val_loss", save_top_k=-1)
-        trainer = torchrig.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_epochs=2,
-            val_check_interval=2,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[checkpoint],
-            default_root_dir=folder,
-        )
+        settings = {"max_epochs": 2, "val_check_interval": 2, "enable_model_summary": False}
+        trainer = quiet_trainer(folder, callbacks=[checkpoint], enable_checkpointing=True, **settings)
         module = module_class(torchrig.TrainingModule)()
-        trainer.fit(module, data(), data(), ckpt_path=ckpt_path)
+        trainer.fit(module, sum_data(), sum_data(), ckpt_path=ckpt_path)
         return checkpoint, (module.layer.weight.detach().clone(), trainer.global_step, trainer.callback_metrics)
 
     whole, (weight, steps, metrics) = run(tmp_path / "whole")
