@@ -25,7 +25,15 @@ import torch
 from torchrig.data import length_of
 from torchrig.nested import batch_sizes
 from torchrig.preemption import SignalWatch
-from torchrig.trainer.callbacks import EVENTS, active_hooks, overrides, sparse_batch_end_hooks, with_trainer
+from torchrig.trainer.callbacks import (
+    EVENTS,
+    TRANSFER_HOOKS,
+    active_hooks,
+    overrides,
+    sparse_batch_end_hooks,
+    with_trainer,
+)
+from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.metrics import MetricStore
 from torchrig.trainer.module import TrainingModule
 from torchrig.wrappers import RigModule
@@ -194,6 +202,28 @@ class RunState:
             method = getattr(module, event)
             found += profiler.wrap_hooks([method]) if profiler is not None else [method]
         return found
+
+    def transfer_hooks(self) -> list[Callable[..., Any]] | None:
+        """The three batch-transfer hooks (``on_before_batch_transfer``,
+        ``transfer_batch_to_device``, ``on_after_batch_transfer``) when the module or the
+        datamodule overrides one of them, each the datamodule's where it overrides it (Lightning's
+        choice, with a warning when both do); None when neither does (the loader moves batches)."""
+
+        module, datamodule = self.require_module(), self.datamodule
+        hooks: list[Callable[..., Any]] = []
+        own = False
+        for name in TRANSFER_HOOKS:
+            mine = overrides(module, TrainingModule, name)
+            theirs = isinstance(datamodule, DataModule) and overrides(datamodule, DataModule, name)
+            if mine and theirs:
+                warnings.warn(
+                    f"{name} is overridden in both {type(module).__name__} and {type(datamodule).__name__}; "
+                    "the datamodule's is used (as Lightning does)",
+                    stacklevel=2,
+                )
+            hooks.append(getattr(datamodule if theirs else module, name))
+            own = own or mine or theirs
+        return hooks if own else None
 
     def sparse_batch_end(self) -> tuple[list[Callable[..., Any]], float]:
         """The ``on_train_batch_end`` methods called at most every ``interval`` seconds (taking

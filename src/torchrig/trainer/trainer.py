@@ -341,6 +341,12 @@ class Trainer:
         return out
 
     @property
+    def datamodule(self) -> DataModule | None:
+        """The datamodule of the run (given to ``fit``/``validate``/``test``/``predict``), or None."""
+        datamodule: DataModule | None = self.run.datamodule
+        return datamodule
+
+    @property
     def is_last_batch(self) -> bool:
         """Whether the training batch being run is the last of its epoch (as Lightning's)."""
         return self.run.is_last_batch
