@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from hook_recording import linear_module, quiet_lightning, sum_data
+from trainer_helpers import quiet_trainer
 
 import torchrig
 
@@ -102,3 +103,40 @@ def test_a_datamodules_hooks_run_as_under_lightning(tmp_path: Any) -> None:
     ours = run("torchrig", tmp_path)
     assert ours == theirs
     assert "datamodule.transfer_batch_to_device" in ours and "('module sees', 'Data')" in ours
+
+
+@pytest.mark.timeout(60)
+def test_a_datamodules_state_is_saved_in_checkpoints_and_loaded_on_resume(tmp_path: Any) -> None:
+    class Counting(torchrig.DataModule):
+        def __init__(self) -> None:
+            self.loaded: dict[str, Any] = {}
+            self.asked = 0
+
+        def train_dataloader(self) -> Any:
+            self.asked += 1
+            return sum_data()
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"asked": self.asked}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.loaded = state_dict
+
+    module_cls, _ = classes(torchrig.TrainingModule, torchrig.DataModule, [])
+    trainer = quiet_trainer(tmp_path, max_epochs=1, enable_model_summary=False)
+    trainer.fit(module_cls(), datamodule=Counting())
+    path = trainer.save_checkpoint(tmp_path / "with-state")
+    plain = quiet_trainer(tmp_path, max_epochs=1, enable_model_summary=False)
+    plain.fit(module_cls(), sum_data())
+    without = plain.save_checkpoint(tmp_path / "without-state")
+
+    resumed = Counting()
+    quiet_trainer(tmp_path, max_epochs=2, enable_model_summary=False).fit(
+        module_cls(), datamodule=resumed, ckpt_path=path
+    )
+    assert resumed.loaded == {"asked": 1}
+    fresh = Counting()  # a checkpoint written without a datamodule's state resumes; nothing to load
+    quiet_trainer(tmp_path, max_epochs=2, enable_model_summary=False).fit(
+        module_cls(), datamodule=fresh, ckpt_path=without
+    )
+    assert fresh.loaded == {}

@@ -46,3 +46,10 @@ class DataModule(BatchTransferHooks):
 
     def predict_dataloader(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} defines no predict_dataloader()")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a fit's checkpoints keep of this datamodule (saved when overridden)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take back what :meth:`state_dict` gave, when a fit resumes from a checkpoint holding it."""
