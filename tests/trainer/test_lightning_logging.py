@@ -51,7 +51,7 @@ def rounded(value: Any) -> Any:
     return value
 
 
-def classes(module_base: type, callback_base: type) -> tuple[type, type, list[Any]]:
+def classes(module_base: type, callback_base: type, skip_at: int | None = None) -> tuple[type, type, list[Any]]:
     """The logging module and a callback that records what it sees, on either framework's bases."""
     seen: list[Any] = []
 
@@ -79,6 +79,10 @@ def classes(module_base: type, callback_base: type) -> tuple[type, type, list[An
         def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
             note(self.trainer, "predict_step", batch_idx, dataloader_idx)
             return self.layer(batch[0])
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+            # -1 skips the rest of the epoch (Lightning's contract)
+            return -1 if (self.trainer.current_epoch, batch_idx) == (0, skip_at) else None
 
         def on_train_epoch_end(self) -> None:
             self.log("module_epoch_end", float(self.trainer.current_epoch + 1))
@@ -110,16 +114,18 @@ def data(n: int = 18, seed: int = 0) -> DataLoader[Any]:
     return sum_data(n, seed)
 
 
-def run(framework: str, stage: str, tmp_path: Any, loaders: int, **settings: Any) -> dict[str, Any]:
+def run(
+    framework: str, stage: str, tmp_path: Any, loaders: int, skip_at: int | None = None, **settings: Any
+) -> dict[str, Any]:
     torch.manual_seed(0)
     common = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
     common |= {"enable_model_summary": False, "default_root_dir": tmp_path / framework, **settings}
     if framework == "lightning":
         quiet_lightning()
-        module_cls, recorder_cls, seen = classes(pl.LightningModule, pl.Callback)
+        module_cls, recorder_cls, seen = classes(pl.LightningModule, pl.Callback, skip_at)
         trainer: Any = pl.Trainer(accelerator="cpu", callbacks=[recorder_cls()], **common)
     else:
-        module_cls, recorder_cls, seen = classes(torchrig.TrainingModule, torchrig.Callback)
+        module_cls, recorder_cls, seen = classes(torchrig.TrainingModule, torchrig.Callback, skip_at)
         trainer = torchrig.Trainer(accelerator="cpu", devices=1, callbacks=[recorder_cls()], **common)
     module = module_cls()
     evaluation = [data(10, seed=1 + i) for i in range(loaders)]
@@ -170,6 +176,15 @@ def test_fit_logs_and_passes_what_lightning_does(tmp_path: Any, settings: dict[s
     # and per epoch reads the epoch's mean; on_train_batch_end gets {"loss": ...}
     assert ours["callback_metrics"]["both"] == ours["callback_metrics"]["both_epoch"]
     assert any(s[0] == "on_train_batch_end" and set(s[2]) == {"loss"} for s in ours["seen"])
+
+
+@pytest.mark.timeout(60)
+def test_on_train_batch_start_returning_minus_one_skips_the_rest_of_the_epoch(tmp_path: Any) -> None:
+    theirs = run("lightning", "fit", tmp_path, 1, skip_at=2, max_epochs=2, num_sanity_val_steps=0)
+    ours = run("torchrig", "fit", tmp_path, 1, skip_at=2, max_epochs=2, num_sanity_val_steps=0)
+    assert_same(theirs, ours)
+    trained = [s[1] for s in ours["seen"] if s[0] == "on_train_batch_end"]
+    assert trained == [0, 1, 0, 1, 2, 3, 4]  # epoch 0 stopped before its batch 2; epoch 1 whole
 
 
 @pytest.mark.timeout(60)

@@ -70,7 +70,9 @@ class ModelHooks(BatchTransferHooks):
 
     def on_train_epoch_end(self) -> None: ...
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """Before each training batch; return -1 to skip the rest of the epoch (as in Lightning)."""
+        return None
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
 

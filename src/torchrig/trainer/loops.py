@@ -231,8 +231,11 @@ class Run(StepRunner, EvalLoops):
             is_last = batch_idx + 1 >= n or (ends is not None and ends.at_last_batch)
             self.is_last_batch = is_last
             at_batch(batch)
+            skip = False
             for hook in batch_start:
-                hook(batch, batch_idx)
+                skip = hook(batch, batch_idx) == -1 or skip
+            if skip:  # on_train_batch_start returned -1: the rest of the epoch is skipped (as Lightning)
+                break
             output = one_batch(batch, batch_idx, is_last)
             if batch_end or sparse:
                 output = batch_outputs(output)
