@@ -47,6 +47,17 @@ class NanOnRankOne(Regressor):
 trainer.max_epochs = 5
 trainer.fit(NanOnRankOne(), loader(8, batch_size=2), loader(4, batch_size=2))
 stopped = trainer.rig.all_gather(torch.tensor(trainer.current_epoch)).tolist()
+
+
+class Reduces(Regressor):  # self.log(reduce_fx=..., sync_dist=True): over the batches, then the ranks
+    def validation_step(self, batch, batch_idx):
+        rank = float(self.trainer.rig.global_rank)
+        self.log("rank_max", rank, reduce_fx="max", sync_dist=True)
+        self.log("rank_sum", rank + 1, reduce_fx="sum", sync_dist=True)
+        self.log("rank_min", rank, reduce_fx=torch.min, sync_dist=True)
+
+
+reduced = trainer.validate(Reduces(), loader(8, batch_size=2))[0]
 if trainer.is_global_zero:
     sys.stdout.write(json.dumps({
         "world": trainer.rig.world_size,
@@ -55,6 +66,7 @@ if trainer.is_global_zero:
         "val_loss": val_loss,
         "preds": torch.cat(preds).tolist(),
         "stopped_at": stopped,
+        "reduced": reduced,
     }) + "\n")  # one write: ranks share the output
 """
 
@@ -78,6 +90,8 @@ def test_fit_predict_and_early_stopping_on_two_processes(tmp_path: Path) -> None
     assert result["steps"] == 2 * 4  # 16 samples, 2 per rank per step, 2 ranks: 4 steps an epoch
     assert result["same_weights"]
     assert result["preds"] == [float(i) for i in range(11)]  # every sample once, in order
+    # 2 validation batches a rank: the largest rank, the sum of (rank + 1) over 4 batches, the smallest
+    assert result["reduced"] == {"rank_max": 1.0, "rank_sum": 2 * 1.0 + 2 * 2.0, "rank_min": 0.0}
     assert result["stopped_at"] == [1, 1]  # rank 1 saw NaN: both ranks stopped after the first epoch
 
 
