@@ -61,6 +61,8 @@ def classes(module_base: type, callback_base: type, skip_at: int | None = None) 
     class Module(linear_module(module_base)):  # type: ignore[misc]
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             loss = self.loss(batch)
+            where = (self.global_step, self.current_epoch, self.global_rank, self.local_rank)
+            note(self.trainer, "module sees", where, self.logger is None, len(self.loggers))
             for name, options in TRAIN_LOGS:
                 self.log(name, loss, **options)
             return loss
@@ -242,3 +244,16 @@ def test_the_batch_size_is_inferred_from_the_first_tensor_and_said_when_it_canno
     sink.at_batch((torch.zeros(2, 4), torch.zeros(5)))
     with pytest.warns(UserWarning, match="inferred the batch size 2 from the batch's first tensor, but its tensors"):
         assert sink.batch_size() == 2
+
+
+def test_the_modules_lightning_helpers(tmp_path: Any) -> None:
+    module = classes(torchrig.TrainingModule, torchrig.Callback)[0]()
+    assert (module.global_step, module.current_epoch, module.global_rank, module.logger) == (0, 0, 0, None)
+    module.freeze()
+    assert not module.training and not any(p.requires_grad for p in module.parameters())
+    module.unfreeze()
+    assert module.training and all(p.requires_grad for p in module.parameters())
+    quiet_trainer(tmp_path, max_epochs=1).validate(module, sum_data(4))
+    assert tuple(module.all_gather(torch.ones(2)).shape) == (1, 2)  # (world_size, *shape)
+    with pytest.raises(ValueError, match=r"self.all_gather\(group='g'\): torchrig gathers from every process"):
+        module.all_gather(torch.ones(2), group="g")

@@ -73,6 +73,64 @@ class TrainingModule(nn.Module, ModelHooks):
             return p.device
         return torch.device("cpu")
 
+    # -- the Trainer's values, under Lightning's names --------------------------------------
+    @property
+    def global_step(self) -> int:
+        """``trainer.global_step`` (0 outside a run)."""
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        """``trainer.current_epoch`` (0 outside a run)."""
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among all (0 outside a run)."""
+        return self._trainer.rig.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (0 outside a run)."""
+        return self._trainer.rig.local_rank if self._trainer is not None else 0
+
+    @property
+    def logger(self) -> Any:
+        """The Trainer's first logger (None without one, or outside a run)."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The Trainer's loggers (none outside a run)."""
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only (``rig.print``)."""
+        if self._trainer is None:
+            print(*args, **kwargs)
+        else:
+            self._trainer.rig.print(*args, **kwargs)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """``rig.all_gather``: every process's tensors stacked, shape ``(world_size, *shape)``,
+        also in one process (where Lightning's gives the tensor back unchanged); ``group`` is
+        Lightning's and only None (every process)."""
+        if group is not None:
+            raise ValueError(f"self.all_gather(group={group!r}): torchrig gathers from every process; pass group=None")
+        return self.trainer.rig.all_gather(data, sync_grads=sync_grads)
+
+    def freeze(self) -> None:
+        """No parameter requires gradients, and eval mode (as Lightning's)."""
+        for param in self.parameters():
+            param.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """Every parameter requires gradients, and train mode (as Lightning's)."""
+        for param in self.parameters():
+            param.requires_grad = True
+        self.train()
+
     def __getstate__(self) -> dict[str, Any]:
         # Copies and pickles (deepcopy, ddp_spawn) leave the Trainer behind; the next run re-attaches.
         state = super().__getstate__()
