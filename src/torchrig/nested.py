@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -21,6 +21,22 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if is_container(data):
         return rebuild(data, lambda v: apply_to_tensors(v, fn))
     return data
+
+
+def batch_sizes(data: Any) -> Iterator[int]:
+    """The first dimension of every tensor in a nested batch, in order (1 for a 0-d tensor), as
+    Lightning infers a batch's size: mappings' values, lists and tuples, dataclasses' fields."""
+    if isinstance(data, torch.Tensor):
+        yield data.shape[0] if data.dim() else 1
+    elif is_container(data):
+        if isinstance(data, Mapping):
+            children: Any = data.values()
+        elif isinstance(data, (list, tuple)):
+            children = data
+        else:
+            children = [getattr(data, fl.name) for fl in dataclasses.fields(data)]
+        for child in children:
+            yield from batch_sizes(child)
 
 
 def is_container(data: Any) -> bool:

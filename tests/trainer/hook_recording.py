@@ -127,3 +127,25 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+
+
+def sum_data(n: int = 16, seed: int = 0) -> DataLoader[Any]:
+    """``n`` samples of 3 features whose target is their sum, in batches of 4."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def linear_module(base: type) -> type:
+    """A ``Linear(3, 1)`` module on Lightning's or torchrig's base, with its MSE ``loss(batch)``:
+    the tests comparing the two Trainers subclass it with their own steps."""
+
+    class Linear(base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def loss(self, batch: Any) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    return Linear

@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from hook_recording import quiet_lightning
-from torch.utils.data import DataLoader, TensorDataset
+from hook_recording import linear_module, quiet_lightning, sum_data
 
 import torchrig
 
@@ -71,14 +70,7 @@ def adam(m: torch.nn.Module) -> Any:
 
 
 def module_class(base: type, configure: Configure, lrs: list[float]) -> type:
-    class Module(base):  # type: ignore[misc,valid-type]
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(3, 1)
-
-        def loss(self, batch: Any) -> torch.Tensor:
-            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
-
+    class Module(linear_module(base)):  # type: ignore[misc]
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             loss = self.loss(batch)
             self.log("train_loss", loss, on_step=False, on_epoch=True)  # falls: mode="max" sees no improvement
@@ -94,12 +86,6 @@ def module_class(base: type, configure: Configure, lrs: list[float]) -> type:
             return configure(self)
 
     return Module
-
-
-def data() -> DataLoader[Any]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(16, 3, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
 
 
 def fit(framework: str, configure: Configure, tmp_path: Path, lr_monitor: bool = False, **settings: Any) -> Any:
@@ -119,7 +105,7 @@ def fit(framework: str, configure: Configure, tmp_path: Path, lr_monitor: bool =
         logger = torchrig.CSVLogger(root_dir=tmp_path / framework) if lr_monitor else False
         monitor = [torchrig.LearningRateMonitor(log_momentum=True)] if lr_monitor else []
         trainer = torchrig.Trainer(accelerator="cpu", devices=1, logger=logger, callbacks=monitor, **common)
-    trainer.fit(module, data(), data())
+    trainer.fit(module, sum_data(), sum_data())
     return lrs, module.layer.weight.detach().clone(), trainer
 
 

@@ -47,6 +47,17 @@ class NanOnRankOne(Regressor):
 trainer.max_epochs = 5
 trainer.fit(NanOnRankOne(), loader(8, batch_size=2), loader(4, batch_size=2))
 stopped = trainer.rig.all_gather(torch.tensor(trainer.current_epoch)).tolist()
+
+
+class Reduces(Regressor):  # self.log(reduce_fx=..., sync_dist=True): over the batches, then the ranks
+    def validation_step(self, batch, batch_idx):
+        rank = float(self.trainer.rig.global_rank)
+        self.log("rank_max", rank, reduce_fx="max", sync_dist=True)
+        self.log("rank_sum", rank + 1, reduce_fx="sum", sync_dist=True)
+        self.log("rank_min", rank, reduce_fx=torch.min, sync_dist=True)
+
+
+reduced = trainer.validate(Reduces(), loader(8, batch_size=2))[0]
 if trainer.is_global_zero:
     sys.stdout.write(json.dumps({
         "world": trainer.rig.world_size,
@@ -55,6 +66,7 @@ if trainer.is_global_zero:
         "val_loss": val_loss,
         "preds": torch.cat(preds).tolist(),
         "stopped_at": stopped,
+        "reduced": reduced,
     }) + "\n")  # one write: ranks share the output
 """
 
@@ -78,6 +90,8 @@ def test_fit_predict_and_early_stopping_on_two_processes(tmp_path: Path) -> None
     assert result["steps"] == 2 * 4  # 16 samples, 2 per rank per step, 2 ranks: 4 steps an epoch
     assert result["same_weights"]
     assert result["preds"] == [float(i) for i in range(11)]  # every sample once, in order
+    # 2 validation batches a rank: the largest rank, the sum of (rank + 1) over 4 batches, the smallest
+    assert result["reduced"] == {"rank_max": 1.0, "rank_sum": 2 * 1.0 + 2 * 2.0, "rank_min": 0.0}
     assert result["stopped_at"] == [1, 1]  # rank 1 saw NaN: both ranks stopped after the first epoch
 
 
@@ -97,6 +111,7 @@ if __name__ == "__main__":
         logger=False, callbacks=[ckpt], default_root_dir=sys.argv[1],
     )
     trainer.fit(module, loader(16, batch_size=2), loader(8, batch_size=2))
+    val_loss = float(trainer.callback_metrics["val_loss"])  # predict starts with none, as Lightning's
     preds = trainer.predict(module, loader(5, batch_size=2))
     sys.stdout.write(json.dumps({
         "steps": trainer.global_step,
@@ -104,7 +119,8 @@ if __name__ == "__main__":
         "rows": [p.shape[0] for p in preds],
         "best": ckpt.best_model_path.rsplit("/", 1)[-1],
         "score": ckpt.best_model_score,
-        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "val_loss": val_loss,
+        "after_predict": sorted(trainer.callback_metrics),
     }) + "\n")  # one write: ranks share the output
 """
 
@@ -127,4 +143,5 @@ def test_ddp_spawn_brings_weights_and_results_back(tmp_path: Path) -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     # The callbacks ran in the started processes; their state comes back with the weights.
     assert result.pop("best") == "epoch=0-step=4" and result.pop("score") == result.pop("val_loss")
-    assert result == {"steps": 4, "changed": True, "rows": [4, 1]}  # 5 samples: 3 + 2 per rank, padding dropped
+    # 5 samples: 3 + 2 per rank, padding dropped; predict logged nothing (its run starts with no metrics)
+    assert result == {"steps": 4, "changed": True, "rows": [4, 1], "after_predict": []}

@@ -8,6 +8,7 @@ import re
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from torchrig.checkpoint.meta import trained_epoch
 from torchrig.checkpoint.remote import CheckpointURL, as_url, holds_checkpoint, local_path, remove_checkpoint
 from torchrig.strategies.agreement import default_store, every_rank_arrives
 from torchrig.trainer.callbacks import EVERY_TIME, Callback, EventSchedule
+from torchrig.trainer.early_stopping import at_epoch_end
 from torchrig.trainer.metrics import to_floats
 
 if TYPE_CHECKING:
@@ -75,6 +77,10 @@ class ModelCheckpoint(Callback):
             that did not raise is stuck elsewhere); otherwise nothing is saved and the ranks that
             raised say so. See docs/trainer.md, "Errors and interrupts".
         save_on_exception_timeout: how long a rank that raised waits for the others to raise too.
+        save_on_train_epoch_end: save (every ``every_n_epochs`` epochs) at each training epoch's
+            end (True) or after each validation of the fit (False); None: as Lightning decides, for
+            each fit: at the epoch's end when the fit validates at every epoch's end or never,
+            after each validation when it validates several times an epoch or every few epochs.
 
     Example:
         >>> cb = ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=2, save_last=True)
@@ -98,6 +104,7 @@ class ModelCheckpoint(Callback):
         async_save: bool = False,
         save_on_exception: bool = False,
         save_on_exception_timeout: float = 30.0,
+        save_on_train_epoch_end: bool | None = None,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}); use 'min' or 'max'")
@@ -127,6 +134,7 @@ class ModelCheckpoint(Callback):
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
         self.every_n_train_steps, self.every_n_epochs = every_n_train_steps, every_n_epochs or 1
         self.save_last = save_last
+        self.save_on_train_epoch_end = save_on_train_epoch_end
         self.train_time_interval = train_time_interval
         if not isinstance(async_save, bool):
             raise TypeError(f"ModelCheckpoint(async_save={async_save!r}) must be True or False")
@@ -166,8 +174,16 @@ class ModelCheckpoint(Callback):
         self._seen_step = trainer.global_step  # after a resume: the step the fit continues from
         self._adopt_restored(trainer)
         self._fits, self._in_fit = self._fits + 1, True
+        self._validated = False  # no validation of this fit has ended yet (a monitor may not exist yet)
         if self.save_on_exception:  # worked out now, with every rank: a save after an error must not ask
             self.resolve_dirpath(trainer)
+
+    def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        if trainer.run.stage != "fit" or trainer.sanity_checking:
+            return
+        self._validated = True
+        if not at_epoch_end(trainer, self.save_on_train_epoch_end):
+            self._due_in_epoch(trainer)
 
     def _adopt_restored(self, trainer: Trainer) -> None:
         """Keep a resumed kept list only if it was written for this very folder (resolved)."""
@@ -198,6 +214,12 @@ class ModelCheckpoint(Callback):
             self._due(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        if at_epoch_end(trainer, self.save_on_train_epoch_end):
+            self._due_in_epoch(trainer)
+
+    def _due_in_epoch(self, trainer: Trainer) -> None:
+        """A save at an epoch's end or a validation's, unless the saves go by steps (or this
+        epoch is not one of every ``every_n_epochs``)."""
         if self.every_n_train_steps is None and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self._due(trainer)
 
@@ -371,11 +393,16 @@ class ModelCheckpoint(Callback):
             return None
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
-            raise ValueError(
+            message = (
                 f"ModelCheckpoint(monitor={self.monitor!r}) found no such logged metric; logged: "
                 f"{sorted(metrics) or 'none'}. Log it with self.log({self.monitor!r}, value)"
             )
-        return float(metrics[self.monitor])
+            if getattr(self, "_validated", True) or not trainer.run.has_validation():
+                raise ValueError(message)
+            # As Lightning: before the fit's first validation a validation metric cannot exist yet
+            # (a save every n steps before it): a warning, and the save is not ranked.
+            warnings.warn(f"{message}; this save is not ranked (no validation has run yet)", stacklevel=2)
+        return float(metrics[self.monitor]) if self.monitor in metrics else None
 
     def _in_top_k(self, score: float | None) -> bool:
         if score is None or math.isnan(score):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchrig.trainer.hooks import BatchTransferHooks
 
-class DataModule:
+
+class DataModule(BatchTransferHooks):
     """Groups the data a run needs. Override the dataloaders you use.
 
     ``setup(stage)`` runs in every process before the loaders are asked for (``stage`` is
     ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``): build or split datasets there.
+    ``on_before_batch_transfer``, ``transfer_batch_to_device`` and ``on_after_batch_transfer``
+    are called as the module's are; one a datamodule overrides is used instead of the module's.
 
     Example:
         >>> import torch
@@ -42,3 +46,10 @@ class DataModule:
 
     def predict_dataloader(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} defines no predict_dataloader()")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a fit's checkpoints keep of this datamodule (saved when overridden)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take back what :meth:`state_dict` gave, when a fit resumes from a checkpoint holding it."""

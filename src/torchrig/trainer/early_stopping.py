@@ -16,8 +16,10 @@ if TYPE_CHECKING:
 class EarlyStopping(Callback):
     """Stops training when ``monitor`` has not improved for ``patience`` checks.
 
-    It checks after each validation (or at each training epoch's end with
-    ``check_on_train_epoch_end=True``). Every process stops together: the decision goes through
+    It checks when Lightning's does: at each training epoch's end, once the epoch's metrics are
+    reduced, when validation runs at every epoch's end or not at all; after each validation when
+    it runs several times an epoch or every few epochs (``check_on_train_epoch_end`` True or
+    False chooses). Every process stops together: the decision goes through
     ``rig.reduce_boolean_decision`` (one process asking to stop stops all).
 
     Args:
@@ -27,7 +29,8 @@ class EarlyStopping(Callback):
         min_delta: the least change that counts as an improvement.
         check_finite: stop as soon as the metric is NaN or infinite.
         strict: raise when ``monitor`` was not logged (else skip the check).
-        check_on_train_epoch_end: check at the end of each training epoch instead of after validation.
+        check_on_train_epoch_end: check at the end of each training epoch (True) or after each
+            validation (False); None: as Lightning decides (above), for each fit.
 
     Example:
         >>> stopper = EarlyStopping(monitor="val_loss", patience=2)
@@ -45,7 +48,7 @@ class EarlyStopping(Callback):
         min_delta: float = 0.0,
         check_finite: bool = True,
         strict: bool = True,
-        check_on_train_epoch_end: bool = False,
+        check_on_train_epoch_end: bool | None = None,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping(mode={mode!r}); use 'min' or 'max'")
@@ -61,11 +64,13 @@ class EarlyStopping(Callback):
 
     def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
         # Only validations inside a fit count (not its sanity check, nor Trainer.validate).
-        if not self.check_on_train_epoch_end and trainer.run.stage == "fit" and not trainer.sanity_checking:
+        if trainer.run.stage != "fit" or trainer.sanity_checking:
+            return
+        if not at_epoch_end(trainer, self.check_on_train_epoch_end):
             self._check(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
-        if self.check_on_train_epoch_end:
+        if at_epoch_end(trainer, self.check_on_train_epoch_end):
             self._check(trainer)
 
     def _check(self, trainer: Trainer) -> None:
@@ -106,3 +111,16 @@ class EarlyStopping(Callback):
         self.wait_count = int(state["wait_count"])
         self.best_score = float(state["best_score"])
         self.stopped_epoch = int(state["stopped_epoch"])
+
+
+def at_epoch_end(trainer: Trainer, given: bool | None) -> bool:
+    """Whether a callback that reads the validation's metrics (EarlyStopping, ModelCheckpoint)
+    acts at each training epoch's end rather than after each validation: ``given``, or, when
+    None, Lightning's rule: at the epoch's end when the fit validates at every epoch's end (its
+    metrics then also hold the epoch's training means) or never; after each validation when it
+    validates several times an epoch or every few epochs (the epochs between have no new values)."""
+    if given is not None:
+        return given
+    if trainer.check_val_every_n_epoch != 1:
+        return False
+    return trainer.val_check_interval == 1.0 or not trainer.run.has_validation()

@@ -42,6 +42,9 @@ class EvalLoops(StepHooks):
                         self.eval_loader(stage, method, loader, None, n)
                 self.emit(f"on_{hook}_epoch_end")
             results = self.end_evaluation(stage, store, len(loaders))
+            if stage == "validate" and self.stage == "fit":
+                # Done: a checkpoint saved from on_validation_end resumes after this validation.
+                self.trainer.fit_state.val_pending = False
             self.emit(f"on_{hook}_end")
             self.emit(f"on_{hook}_model_train")
             return results
@@ -73,7 +76,9 @@ class EvalLoops(StepHooks):
         hook = _HOOK_STAGE[stage]
         start, end = self.hooks(f"on_{hook}_batch_start"), self.hooks(f"on_{hook}_batch_end")
         eval_end, extra = self.hooks("on_eval_batch_end"), () if idx is None else (idx,)
+        at_batch = self.sink.at_batch  # the sink of this loader's values
         for batch_idx, batch in enumerate(self.transferred(loader, idx or 0)):
+            at_batch(batch)
             for hook_fn in start:
                 hook_fn(batch, batch_idx, *extra)
             output = call(batch, batch_idx, idx) if with_idx else call(batch, batch_idx)
@@ -83,6 +88,7 @@ class EvalLoops(StepHooks):
                 hook_fn(stage, output, batch, batch_idx)
             if batch_idx + 1 >= n:
                 break
+        at_batch(None)  # the epoch-end hooks log outside any batch
 
     def predict(self) -> list[Any] | None:
         """Predictions per batch, in dataset order, gathered from every process (None when

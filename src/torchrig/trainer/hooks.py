@@ -19,7 +19,24 @@ if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
 
 
-class ModelHooks:
+class BatchTransferHooks:
+    """The batch-transfer hooks, of a :class:`~torchrig.TrainingModule` or a
+    :class:`~torchrig.DataModule` (a datamodule's override is used when both have one, as in Lightning)."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """The batch before it moves to the device; return it (changed or not)."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move the batch to ``device``; by default every tensor in it (nested lists, dicts...)."""
+        return move_batch(batch, device, device.type not in ("cpu", "mps"))
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """The batch on the device; return it (changed or not)."""
+        return batch
+
+
+class ModelHooks(BatchTransferHooks):
     """The hooks a run calls on its module (mixed into :class:`~torchrig.TrainingModule`)."""
 
     _trainer: Trainer | None
@@ -53,7 +70,9 @@ class ModelHooks:
 
     def on_train_epoch_end(self) -> None: ...
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """Before each training batch; return -1 to skip the rest of the epoch (as in Lightning)."""
+        return None
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
 
@@ -137,19 +156,6 @@ class ModelHooks:
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Before each optimizer step, before clipping; gradients are unscaled under ``16-mixed``
         only once clipping ran (as in Lightning)."""
-
-    # -- the batch's move to the device -------------------------------------------------------
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """The batch before it moves to the device; return it (changed or not)."""
-        return batch
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move the batch to ``device``; by default every tensor in it (nested lists, dicts...)."""
-        return move_batch(batch, device, device.type not in ("cpu", "mps"))
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """The batch on the device; return it (changed or not)."""
-        return batch
 
     # -- what a step does (the overrides Lightning users write) -----------------------------
     def configure_callbacks(self) -> Any:

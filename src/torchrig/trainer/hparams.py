@@ -128,6 +128,8 @@ def load_from_checkpoint(cls: type[M], path: str | os.PathLike[str], overrides: 
         module.load_state_dict(state)
     except RuntimeError as err:
         raise CheckpointError(f"the weights in {path} do not fit {cls.__name__}({_shown(kwargs)}): {err}") from None
+    # What on_save_checkpoint added, as a Trainer's resume gives it (and Lightning's load_from_checkpoint).
+    module.on_load_checkpoint(dict(values.get("callback_extras", {})))
     return module
 
 

@@ -226,10 +226,16 @@ class Run(StepRunner, EvalLoops):
         sparse, interval = self.sparse_batch_end()
         clock, timed, val_at_last = time.perf_counter, tr.max_time is not None, isinstance(tr.val_check_interval, float)
         poll, stop = self.signals.poll, 0
+        sink = self.sink  # the training step's (run_batches): its batch set inline, as LogSink.at_batch does
         for batch in self.transferred(batches, 0):
             is_last = batch_idx + 1 >= n or (ends is not None and ends.at_last_batch)
+            self.is_last_batch = is_last
+            sink.batch, sink.size = batch, None
+            skip = False
             for hook in batch_start:
-                hook(batch, batch_idx)
+                skip = hook(batch, batch_idx) == -1 or skip
+            if skip:  # on_train_batch_start returned -1: the rest of the epoch is skipped (as Lightning)
+                break
             output = one_batch(batch, batch_idx, is_last)
             if batch_end or sparse:
                 output = batch_outputs(output)

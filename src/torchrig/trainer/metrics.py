@@ -27,10 +27,18 @@ class LogOptions:
     on_step: bool
     on_epoch: bool
     sync_dist: bool
+    #: How the epoch's values are reduced (and, with ``sync_dist``, the processes'): one of
+    #: :data:`REDUCTIONS`.
+    reduce_fx: str = "mean"
 
     @property
-    def fields(self) -> list[bool]:
-        return [self.prog_bar, self.logger, self.on_step, self.on_epoch, self.sync_dist]
+    def fields(self) -> list[bool | str]:
+        return [self.prog_bar, self.logger, self.on_step, self.on_epoch, self.sync_dist, self.reduce_fx]
+
+
+#: The reductions of ``self.log(..., reduce_fx=)``: the mean weighted by ``batch_size``, the sum
+#: (not weighted), the largest and the smallest value.
+REDUCTIONS = ("mean", "sum", "max", "min")
 
 
 #: The suffix that keeps each evaluation loader's values apart, with several loaders.
@@ -96,15 +104,20 @@ class MetricStore:
             )
         if options.on_step:
             if options.sync_dist and self.rig:
-                tensor = self.rig.all_reduce(tensor, "mean")  # a new tensor
+                tensor = self.rig.all_reduce(tensor, options.reduce_fx)  # a new tensor
             elif not fresh:
                 tensor = tensor.clone()  # read later (loggers, the bar): the value now, not then
             self.step[name] = tensor
         if options.on_epoch:
-            weight = float(batch_size) if batch_size else 1.0
+            reduce = options.reduce_fx
+            weight = float(batch_size) if batch_size and reduce == "mean" else 1.0
             previous = self.sums.get(name)
-            if previous is None:  # the running sum is our own tensor, from then on updated in place
+            if previous is None:  # the running value is our own tensor, from then on updated in place
                 self.sums[name] = tensor * weight if weight != 1.0 else tensor.clone()
+            elif reduce == "max":
+                torch.maximum(previous, tensor, out=previous)
+            elif reduce == "min":
+                torch.minimum(previous, tensor, out=previous)
             else:
                 previous.add_(tensor, alpha=weight)
             self.counts[name] = self.counts.get(name, 0.0) + weight
@@ -140,18 +153,19 @@ class MetricStore:
         """Means of the ``on_epoch`` values (``name_epoch`` when also logged ``on_step``),
         averaged across processes for ``sync_dist=True`` names in one collective."""
         out: dict[str, torch.Tensor] = {}
-        synced: list[str] = []
+        synced: dict[str, list[str]] = {}  # reduction -> the keys reduced across processes with it
         for name, total in self.sums.items():
             opts = self.options[name]
             if (for_logger and not opts.logger) or (for_prog_bar and not opts.prog_bar):
                 continue
             key = forked_name(name, "epoch") if opts.on_step else name
-            out[key] = total / self.counts[name]
+            out[key] = total / self.counts[name] if opts.reduce_fx == "mean" else total.clone()
             if opts.sync_dist:
-                synced.append(key)
+                synced.setdefault(opts.reduce_fx, []).append(key)
         if synced and self.rig is not None and self.rig.world_size > 1:
-            reduced = self.rig.all_reduce(torch.stack([out[k] for k in synced]), "mean")
-            out.update(zip(synced, reduced.unbind(0), strict=True))
+            for reduce, keys in synced.items():  # one collective per reduction in use
+                reduced = self.rig.all_reduce(torch.stack([out[k] for k in keys]), reduce)
+                out.update(zip(keys, reduced.unbind(0), strict=True))
         return out
 
     def logger_keys(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,16 +11,14 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from torchrig import arguments
 from torchrig.trainer.hooks import ModelHooks
-from torchrig.trainer.metrics import LogOptions
+from torchrig.trainer.metrics import REDUCTIONS, LogOptions
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
@@ -74,6 +72,64 @@ class TrainingModule(nn.Module, ModelHooks):
         for p in self.parameters():
             return p.device
         return torch.device("cpu")
+
+    # -- the Trainer's values, under Lightning's names --------------------------------------
+    @property
+    def global_step(self) -> int:
+        """``trainer.global_step`` (0 outside a run)."""
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        """``trainer.current_epoch`` (0 outside a run)."""
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among all (0 outside a run)."""
+        return self._trainer.rig.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (0 outside a run)."""
+        return self._trainer.rig.local_rank if self._trainer is not None else 0
+
+    @property
+    def logger(self) -> Any:
+        """The Trainer's first logger (None without one, or outside a run)."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The Trainer's loggers (none outside a run)."""
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only (``rig.print``)."""
+        if self._trainer is None:
+            print(*args, **kwargs)
+        else:
+            self._trainer.rig.print(*args, **kwargs)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """``rig.all_gather``: every process's tensors stacked, shape ``(world_size, *shape)``,
+        also in one process (where Lightning's gives the tensor back unchanged); ``group`` is
+        Lightning's and only None (every process)."""
+        if group is not None:
+            raise ValueError(f"self.all_gather(group={group!r}): torchrig gathers from every process; pass group=None")
+        return self.trainer.rig.all_gather(data, sync_grads=sync_grads)
+
+    def freeze(self) -> None:
+        """No parameter requires gradients, and eval mode (as Lightning's)."""
+        for param in self.parameters():
+            param.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """Every parameter requires gradients, and train mode (as Lightning's)."""
+        for param in self.parameters():
+            param.requires_grad = True
+        self.train()
 
     def __getstate__(self) -> dict[str, Any]:
         # Copies and pickles (deepcopy, ddp_spawn) leave the Trainer behind; the next run re-attaches.
@@ -207,6 +263,40 @@ class TrainingModule(nn.Module, ModelHooks):
             return None
         return schedulers[0] if len(schedulers) == 1 else schedulers
 
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s parameters require gradients until :meth:`untoggle_optimizer`
+        (the other optimizers' are frozen; each keeps the ``requires_grad`` it had), as in
+        Lightning: a GAN's generator step then computes no discriminator gradients."""
+        state: dict[torch.nn.Parameter, bool] = {}
+        for opt in self.trainer.optimizers:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    if param not in state:
+                        state[param] = param.requires_grad
+                        param.requires_grad = False
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.requires_grad = state[param]
+        self._toggled_state = state
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Give the other optimizers' parameters back the ``requires_grad`` they had before
+        :meth:`toggle_optimizer`."""
+        state: dict[torch.nn.Parameter, bool] = self.__dict__.pop("_toggled_state", {})
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for param, requires_grad in state.items():
+            if id(param) not in mine:
+                param.requires_grad = requires_grad
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """:meth:`toggle_optimizer` for the block, :meth:`untoggle_optimizer` after it."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
     def manual_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` through the run's precision (scaled under ``16-mixed``) and strategy
         (the gradients are averaged across processes, also for a second backward in one step).
@@ -279,8 +369,14 @@ class TrainingModule(nn.Module, ModelHooks):
         logger: bool = True,
         on_step: bool | None = None,
         on_epoch: bool | None = None,
+        reduce_fx: str | Callable[..., Any] = "mean",
+        enable_graph: bool = False,
         sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
         batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
     ) -> None:
         """Log a scalar. It stays on the device; loggers and callbacks read it later.
 
@@ -291,8 +387,19 @@ class TrainingModule(nn.Module, ModelHooks):
             logger: send it to the logger.
             on_step: record the value of each step (default: True in ``training_step``, else False).
             on_epoch: record the epoch mean (default: False in ``training_step``, else True).
-            sync_dist: average across processes (step values when logged, epoch means when reduced).
-            batch_size: the weight of this value in the epoch mean (default 1).
+            reduce_fx: how the epoch's values are reduced: ``"mean"`` (weighted by ``batch_size``),
+                ``"sum"``, ``"max"``, ``"min"``, or ``torch.mean``/``sum``/``max``/``min``.
+            enable_graph: Lightning's; only False (values are kept detached).
+            sync_dist: reduce across processes with ``reduce_fx`` (step values when logged, epoch
+                values when reduced).
+            sync_dist_group: Lightning's; only None (every process).
+            add_dataloader_idx: Lightning's; only True (with several evaluation loaders each
+                loader's values are kept apart as ``name/dataloader_idx_N``).
+            batch_size: the weight of this value in the epoch mean (default: the batch's size,
+                the first dimension of its first tensor, as Lightning infers it).
+            metric_attribute: Lightning's, for torchmetrics objects; only None (log tensors).
+            rank_zero_only: Lightning's; the value is logged as it is (it is not reduced across
+                processes, so ``sync_dist`` must be False).
         """
         trainer = self._trainer
         if trainer is None:
@@ -300,9 +407,14 @@ class TrainingModule(nn.Module, ModelHooks):
             return
         # One small tuple and one dict lookup per call: the options object is built once per flags.
         sink = trainer.run.sink  # where the running loop's block sends values (RunState.log_into)
-        options = _OPTIONS.get((prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step))
-        if options is None:
-            options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step)
+        key = (prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step, reduce_fx)
+        options = _OPTIONS.get(key) if not (enable_graph or sync_dist_group or metric_attribute) else None
+        if options is None or not add_dataloader_idx or rank_zero_only:
+            _refuse_lightning_only(name, enable_graph, sync_dist_group, add_dataloader_idx, metric_attribute)
+            _refuse_lightning_only_sync(name, rank_zero_only, sync_dist)
+            options = _log_options(name, prog_bar, logger, on_step, on_epoch, sync_dist, sink.in_step, reduce_fx)
+        if batch_size is None and options.on_epoch and options.reduce_fx == "mean":
+            batch_size = sink.batch_size()  # the batch's size, as Lightning weighs an epoch mean
         # With several eval loaders, each loader's values are kept apart (``name/dataloader_idx_N``).
         sink.store.log(name + sink.suffix, value, options, batch_size)
 
@@ -313,97 +425,67 @@ class TrainingModule(nn.Module, ModelHooks):
 
 
 def _log_options(
-    name: str, prog_bar: bool, logger: bool, on_step: bool | None, on_epoch: bool | None, sync_dist: bool, in_step: bool
+    name: str,
+    prog_bar: bool,
+    logger: bool,
+    on_step: bool | None,
+    on_epoch: bool | None,
+    sync_dist: bool,
+    in_step: bool,
+    reduce_fx: Any,
 ) -> LogOptions:
     """The (cached) LogOptions of one combination of ``self.log`` flags, in or out of a training step."""
     step = in_step if on_step is None else on_step
     epoch = (not in_step) if on_epoch is None else on_epoch
     if not (step or epoch):
         raise ValueError(f"self.log({name!r}, on_step=False, on_epoch=False) records nothing; set one to True")
-    options = LogOptions(bool(prog_bar), bool(logger), bool(step), bool(epoch), sync_dist=bool(sync_dist))
-    return _OPTIONS.setdefault((prog_bar, logger, on_step, on_epoch, sync_dist, in_step), options)
-
-
-@dataclass
-class SchedulerConfig:
-    """One LR scheduler and when the Trainer steps it."""
-
-    scheduler: Any
-    interval: str = "epoch"
-    frequency: int = 1
-    monitor: str | None = None
-    #: What ``LearningRateMonitor`` logs its optimizer's learning rate as (Lightning's ``name``).
-    name: str | None = None
-    #: A ``monitor`` that was not logged is an error (False: a warning, and the step is skipped).
-    strict: bool = True
-
-
-def parse_optimizers(
-    config: Any, steps_schedulers: bool = False
-) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
-    """The optimizers and schedulers of what ``configure_optimizers()`` returned.
-
-    ``steps_schedulers``: the module overrides ``lr_scheduler_step``, so a scheduler need not be
-    torch's (timm's, for one)."""
-    if isinstance(config, torch.optim.Optimizer):
-        return [config], []
-    if isinstance(config, Mapping):
-        optimizer = config.get("optimizer")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"configure_optimizers() returned a dict whose 'optimizer' is {type(optimizer).__name__}; "
-                "it must hold a torch.optim.Optimizer under 'optimizer'"
-            )
-        sched = config.get("lr_scheduler")
-        return [optimizer], ([] if sched is None else [_scheduler_config(sched, steps_schedulers)])
-    if isinstance(config, (list, tuple)):
-        if len(config) == 2 and isinstance(config[0], (list, tuple)) and isinstance(config[1], (list, tuple)):
-            optimizers = parse_optimizers(list(config[0]))[0]
-            schedulers = [_scheduler_config(s, steps_schedulers) for s in config[1]]
-            return optimizers, schedulers
-        if config and all(isinstance(o, torch.optim.Optimizer) for o in config):
-            return list(config), []
-    raise TypeError(
-        f"configure_optimizers() returned {type(config).__name__}: return an optimizer, a list of optimizers, "
-        "([optimizers], [schedulers]), or {'optimizer': ..., 'lr_scheduler': ...}"
-    )
-
-
-#: The keys of an ``lr_scheduler`` dict torchrig reads.
-#: ``reduce_on_plateau`` is read from the scheduler's type; Lightning's key is taken and not needed.
-_SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "name", "strict", "reduce_on_plateau"}
-
-
-def _scheduler_config(sched: Any, steps_schedulers: bool) -> SchedulerConfig:
-    if isinstance(sched, Mapping):
-        unknown = sorted(set(sched) - _SCHEDULER_KEYS)
-        if unknown:
-            raise ValueError(
-                f"lr_scheduler dict has keys torchrig does not know: {unknown}; it takes {sorted(_SCHEDULER_KEYS)}"
-            )
-        cfg = SchedulerConfig(
-            scheduler=sched.get("scheduler"),
-            interval=sched.get("interval", "epoch"),
-            frequency=int(sched.get("frequency", 1)),
-            monitor=sched.get("monitor"),
-            name=sched.get("name"),
-            strict=bool(sched.get("strict", True)),
-        )
-    else:
-        cfg = SchedulerConfig(scheduler=sched)
-    if not steps_schedulers and not isinstance(cfg.scheduler, (LRScheduler, ReduceLROnPlateau)):
-        raise TypeError(
-            f"lr_scheduler {type(cfg.scheduler).__name__} is not a torch LR scheduler; "
-            "give a torch.optim.lr_scheduler object (or {'scheduler': it, 'interval': 'step'}), or define "
-            "lr_scheduler_step(self, scheduler, metric) on the module to step it yourself (timm's schedulers)"
-        )
-    if cfg.interval not in ("step", "epoch"):
-        raise ValueError(f"lr_scheduler interval={cfg.interval!r}; use 'step' or 'epoch'")
-    if cfg.frequency < 1:
-        raise ValueError(f"lr_scheduler frequency={cfg.frequency}; use a positive int")
-    if isinstance(cfg.scheduler, ReduceLROnPlateau) and cfg.monitor is None:
+    reduce = _REDUCE_FX.get(reduce_fx) if isinstance(reduce_fx, str) or callable(reduce_fx) else None
+    if reduce is None:
         raise ValueError(
-            "ReduceLROnPlateau needs the metric it watches: return "
-            "{'optimizer': opt, 'lr_scheduler': {'scheduler': plateau, 'monitor': 'val_loss'}}"
+            f"self.log({name!r}, reduce_fx={reduce_fx!r}): torchrig reduces with 'mean', 'sum', 'max' or 'min' "
+            "(or torch.mean, torch.sum, torch.max, torch.min); reduce another way in on_*_epoch_end and log the result"
         )
-    return cfg
+    options = LogOptions(bool(prog_bar), bool(logger), bool(step), bool(epoch), bool(sync_dist), reduce)
+    return _OPTIONS.setdefault((prog_bar, logger, on_step, on_epoch, sync_dist, in_step, reduce_fx), options)
+
+
+#: ``reduce_fx`` as Lightning takes it (a name or torch's function) -> the reduction's name.
+_REDUCE_FX: dict[Any, str] = {
+    **{name: name for name in REDUCTIONS},
+    torch.mean: "mean",
+    torch.sum: "sum",
+    torch.max: "max",
+    torch.min: "min",
+}
+
+
+def _refuse_lightning_only(
+    name: str, enable_graph: bool, sync_dist_group: Any, add_dataloader_idx: bool, metric_attribute: str | None
+) -> None:
+    """Refuse the ``self.log`` arguments of Lightning torchrig does not do, naming what to do instead."""
+    refused = {
+        "enable_graph=True": (enable_graph, "values are kept detached; keep the tensor yourself to backpropagate"),
+        f"sync_dist_group={sync_dist_group!r}": (
+            sync_dist_group is not None,
+            "sync_dist reduces across every process; reduce over a group yourself with torch.distributed",
+        ),
+        "add_dataloader_idx=False": (
+            not add_dataloader_idx,
+            "with several evaluation loaders each loader's values are kept apart as name/dataloader_idx_N",
+        ),
+        f"metric_attribute={metric_attribute!r}": (
+            metric_attribute is not None,
+            "log a tensor (a torchmetrics metric's metric.compute() in on_*_epoch_end)",
+        ),
+    }
+    for argument, (given, instead) in refused.items():
+        if given:
+            raise ValueError(f"self.log({name!r}, {argument}) is not supported by torchrig: {instead}")
+
+
+def _refuse_lightning_only_sync(name: str, rank_zero_only: bool, sync_dist: bool) -> None:
+    if rank_zero_only and sync_dist:
+        raise ValueError(
+            f"self.log({name!r}, rank_zero_only=True, sync_dist=True): a value logged on rank 0 only cannot be "
+            "reduced across processes; drop one of the two"
+        )

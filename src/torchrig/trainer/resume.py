@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,15 +16,22 @@ from torchrig.checkpoint.meta import epoch_text
 from torchrig.checkpoint.remote import CheckpointURL, as_url, lexists, local_path
 from torchrig.data import RigDataLoader
 from torchrig.preemption import restart_count
+from torchrig.trainer.callbacks import overrides
 from torchrig.trainer.checkpointing import checkpoint_epoch, default_checkpoint_dir, previous_run_last
+from torchrig.trainer.datamodule import DataModule
 
 if TYPE_CHECKING:
     from torchrig.trainer.trainer import Trainer
 
 
-def checkpoint_state(tr: Trainer) -> dict[str, Any]:
-    """The objects and values a checkpoint of this run holds (filled in place on resume)."""
+def checkpoint_state(tr: Trainer, saved: Collection[str] | None = None) -> dict[str, Any]:
+    """The objects and values a checkpoint of this run holds (filled in place on resume, from a
+    checkpoint with the entries ``saved``: the datamodule's only when the checkpoint has it)."""
     state: dict[str, Any] = {"module": tr.run.prepared_module, "precision": tr.rig.precision}
+    datamodule = tr.run.datamodule
+    keeps = isinstance(datamodule, DataModule) and overrides(datamodule, DataModule, "state_dict")
+    if keeps and (saved is None or "datamodule" in saved):
+        state["datamodule"] = datamodule
     for i, opt in enumerate(tr.optimizers):
         state[f"optimizer_{i}"] = opt
     for i, cfg in enumerate(tr.lr_scheduler_configs):
@@ -95,7 +103,8 @@ def resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
     if tr.reload_dataloaders_every_n_epochs:  # the loaders of the epoch it last trained in, before loading their place
         epoch = read_summary(path).get("epoch")
         tr.run.reload_for_resume(int(epoch) if isinstance(epoch, int) else 0)
-    state = checkpoint_state(tr)
+    saved = read_summary(path).get("entries", {})
+    state = checkpoint_state(tr, saved)
 
     def restore_callbacks(values: dict[str, Any]) -> None:
         # Before the optimizers and schedulers: a callback that changed them in the saved run
@@ -105,7 +114,7 @@ def resume(tr: Trainer, ckpt_path: str | os.PathLike[str]) -> None:
             if cb.state_key in saved:
                 cb.load_state_dict(saved[cb.state_key])
         tr.run.emit("on_restore_optimizers")
-        state.update(checkpoint_state(tr))
+        state.update(checkpoint_state(tr, saved))
 
     left = tr.rig.load(path, state, prepare=restore_callbacks)
     align_batch_index(tr)

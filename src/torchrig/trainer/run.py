@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchrig.data import length_of
+from torchrig.nested import batch_sizes
 from torchrig.preemption import SignalWatch
-from torchrig.trainer.callbacks import EVENTS, active_hooks, overrides, sparse_batch_end_hooks, with_trainer
+from torchrig.trainer.callbacks import (
+    EVENTS,
+    TRANSFER_HOOKS,
+    active_hooks,
+    overrides,
+    sparse_batch_end_hooks,
+    with_trainer,
+)
+from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.metrics import MetricStore
 from torchrig.trainer.module import TrainingModule
 from torchrig.wrappers import RigModule
@@ -55,6 +65,35 @@ class LogSink:
     store: MetricStore
     in_step: bool = False
     suffix: str = ""
+    #: The batch the loop is at (None outside a batch): the weight of a value logged without a
+    #: ``batch_size`` in an epoch mean is its size, as Lightning infers it (:meth:`batch_size`).
+    batch: Any = None
+    size: int | None = None  # the batch's size, once asked for
+
+    def at_batch(self, batch: Any) -> None:
+        """The loop is at ``batch`` now (its size is worked out only when a log call needs it)."""
+        self.batch, self.size = batch, None
+
+    def batch_size(self) -> int:
+        """The size of the current batch: the first dimension of its first tensor (1 outside a
+        batch or for a batch without tensors, with a warning for the latter)."""
+        if self.size is None:
+            sizes = iter(batch_sizes(self.batch)) if self.batch is not None else iter((1,))
+            size = next(sizes, None)
+            if size is None:
+                warnings.warn(
+                    f"self.log could not infer the batch size from a batch of type {type(self.batch).__name__} "
+                    "(no tensor in it); its values count once in the epoch mean: pass self.log(..., batch_size=n)",
+                    stacklevel=4,
+                )
+            elif any(other != size for other in sizes):
+                warnings.warn(
+                    f"self.log inferred the batch size {size} from the batch's first tensor, but its tensors "
+                    "differ in their first dimension: pass self.log(..., batch_size=n) to say which it is",
+                    stacklevel=4,
+                )
+            self.size = size or 1
+        return self.size
 
 
 class RunState:
@@ -99,6 +138,7 @@ class RunState:
         self.started_at = time.monotonic()
         self.sparse_due = 0.0  # when the sparse batch-end hooks are next called (perf_counter)
         self.skip_backward_sync = False  # inside TrainingModule.no_backward_sync (manual optimization)
+        self.is_last_batch = False  # the training batch being run is its epoch's last (trainer.is_last_batch)
         self.stop_held = False  # a stop was held back for min_epochs/min_steps this fit (said once)
         #: predict: gather and return the predictions (``trainer.predict(return_predictions=...)``)
         self.return_predictions = True
@@ -162,6 +202,28 @@ class RunState:
             method = getattr(module, event)
             found += profiler.wrap_hooks([method]) if profiler is not None else [method]
         return found
+
+    def transfer_hooks(self) -> list[Callable[..., Any]] | None:
+        """The three batch-transfer hooks (``on_before_batch_transfer``,
+        ``transfer_batch_to_device``, ``on_after_batch_transfer``) when the module or the
+        datamodule overrides one of them, each the datamodule's where it overrides it (Lightning's
+        choice, with a warning when both do); None when neither does (the loader moves batches)."""
+
+        module, datamodule = self.require_module(), self.datamodule
+        hooks: list[Callable[..., Any]] = []
+        own = False
+        for name in TRANSFER_HOOKS:
+            mine = overrides(module, TrainingModule, name)
+            theirs = isinstance(datamodule, DataModule) and overrides(datamodule, DataModule, name)
+            if mine and theirs:
+                warnings.warn(
+                    f"{name} is overridden in both {type(module).__name__} and {type(datamodule).__name__}; "
+                    "the datamodule's is used (as Lightning does)",
+                    stacklevel=2,
+                )
+            hooks.append(getattr(datamodule if theirs else module, name))
+            own = own or mine or theirs
+        return hooks if own else None
 
     def sparse_batch_end(self) -> tuple[list[Callable[..., Any]], float]:
         """The ``on_train_batch_end`` methods called at most every ``interval`` seconds (taking

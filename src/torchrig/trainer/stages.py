@@ -25,9 +25,10 @@ from torchrig.nested import apply_to_tensors
 from torchrig.preemption import Preempted, SignalWatch, restart_count
 from torchrig.strategies.sync_batchnorm import convert_sync_batchnorm
 from torchrig.trainer import debugging, eval_loops, loops, settings
-from torchrig.trainer.callbacks import TRANSFER_HOOKS, Callback, merge_callbacks, overrides, unknown_hooks
+from torchrig.trainer.callbacks import Callback, merge_callbacks, overrides, unknown_hooks
 from torchrig.trainer.datamodule import DataModule
-from torchrig.trainer.module import TrainingModule, parse_optimizers
+from torchrig.trainer.module import TrainingModule
+from torchrig.trainer.optim_config import parse_optimizers
 from torchrig.trainer.resume import align_batch_index, auto_resume, resolve_path, resume
 from torchrig.trainer.summary import summary_table
 from torchrig.wrappers import RigModule
@@ -48,6 +49,7 @@ def run_fit_stage(
     ckpt_path: str | os.PathLike[str] | None,
 ) -> None:
     module = begin(tr, module, "fit")
+    tr.run.datamodule = datamodule  # trainer.datamodule, from the setup hooks on (as Lightning's)
     try:
         setup(tr, module, datamodule, "fit")
         prepare_module(tr, module)
@@ -55,7 +57,7 @@ def run_fit_stage(
         # Asked for after configure_optimizers (Lightning's order), or inside it when it reads
         # trainer.estimated_stepping_batches (sizing a OneCycle or warm-up schedule).
         tr.run.pending_train = lambda: _train_loader(tr, module, datamodule, train)
-        tr.run.datamodule, tr.run.train_given = datamodule, train is not None
+        tr.run.train_given = train is not None
         configure_optimizers(tr, module)
         tr.run.ensure_train_loader()
         given_val = val
@@ -115,10 +117,11 @@ def run_eval_stage(
     if module is None:
         raise ValueError(f"{stage}() needs a module: pass one, or call fit() first")
     module = begin(tr, module, stage)
+    tr.run.datamodule = datamodule
     try:
         setup(tr, module, datamodule, stage)
         prepared = prepare_module(tr, module)
-        tr.run.datamodule, tr.run.eval_given = datamodule, loaders is not None
+        tr.run.eval_given = loaders is not None
         loaders = _loaders_of(module, datamodule, loaders, _LOADER_METHODS[stage])
         if loaders is None:
             raise ValueError(
@@ -425,8 +428,7 @@ def _prepare_loader(tr: Trainer, loader: Any, what: str, *, several: bool = True
 def _moves_batches(tr: Trainer, loaders: list[Any]) -> list[Any]:
     """``loaders``, each told whether it moves its batches to the device itself: not when the
     module does in its batch-transfer hooks (:meth:`~torchrig.trainer.loops.Run.transferred`)."""
-    module = tr.run.require_module()
-    own = any(overrides(module, TrainingModule, name) for name in TRANSFER_HOOKS)
+    own = tr.run.transfer_hooks() is not None
     for loader in loaders:
         if isinstance(loader, RigDataLoader):
             loader.move_batches = not own

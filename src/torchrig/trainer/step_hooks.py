@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from torchrig.trainer.callbacks import TRANSFER_HOOKS, overrides
+from torchrig.trainer.callbacks import overrides
 from torchrig.trainer.module import TrainingModule
 from torchrig.trainer.run import RunState
 
@@ -111,14 +111,16 @@ class StepHooks(RunState):
         """``batches`` through the module's batch-transfer hooks, when it overrides one of them:
         ``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer``
         (the loader then leaves its batches where they are); else ``batches`` themselves."""
-        module = self.require_module()
-        if not any(overrides(module, TrainingModule, name) for name in TRANSFER_HOOKS):
+        hooks = self.transfer_hooks()
+        if hooks is None:
             return batches
-        return _transfer(batches, module, self.trainer.rig.device, dataloader_idx)
+        return _transfer(batches, hooks, self.trainer.rig.device, dataloader_idx)
 
 
-def _transfer(batches: Any, module: TrainingModule, device: torch.device, dataloader_idx: int) -> Iterator[Any]:
-    before, move, after = (getattr(module, name) for name in TRANSFER_HOOKS)
+def _transfer(
+    batches: Any, hooks: list[Callable[..., Any]], device: torch.device, dataloader_idx: int
+) -> Iterator[Any]:
+    before, move, after = hooks
     for batch in batches:
         yield after(move(before(batch, dataloader_idx), device, dataloader_idx), dataloader_idx)
 

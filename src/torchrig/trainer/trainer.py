@@ -23,7 +23,8 @@ from torchrig.trainer.checkpointing import ModelCheckpoint
 from torchrig.trainer.datamodule import DataModule
 from torchrig.trainer.logger_base import Logger
 from torchrig.trainer.metrics import unforked_name
-from torchrig.trainer.module import SchedulerConfig, TrainingModule
+from torchrig.trainer.module import TrainingModule
+from torchrig.trainer.optim_config import SchedulerConfig
 from torchrig.trainer.profiler import Profiler, resolve_profiler
 from torchrig.trainer.run import num_batches
 
@@ -338,6 +339,17 @@ class Trainer:
             if opts is not None and opts.prog_bar and (name != key or not (opts.on_step and opts.on_epoch)):
                 out[key] = value  # a name logged per step and per epoch: its _step and _epoch forks only
         return out
+
+    @property
+    def datamodule(self) -> DataModule | None:
+        """The datamodule of the run (given to ``fit``/``validate``/``test``/``predict``), or None."""
+        datamodule: DataModule | None = self.run.datamodule
+        return datamodule
+
+    @property
+    def is_last_batch(self) -> bool:
+        """Whether the training batch being run is the last of its epoch (as Lightning's)."""
+        return self.run.is_last_batch
 
     @property
     def num_training_batches(self) -> int | float:

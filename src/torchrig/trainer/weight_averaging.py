@@ -22,7 +22,8 @@ from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 
 from torchrig import arguments
 from torchrig.trainer.callbacks import Callback, EventSchedule
-from torchrig.trainer.module import SchedulerConfig, TrainingModule
+from torchrig.trainer.module import TrainingModule
+from torchrig.trainer.optim_config import SchedulerConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable

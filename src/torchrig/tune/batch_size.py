@@ -28,7 +28,8 @@ import torch
 from torchrig import arguments
 from torchrig.checkpoint.rng import capture_rng, restore_rng
 from torchrig.trainer import stages
-from torchrig.trainer.module import TrainingModule, parse_optimizers
+from torchrig.trainer.module import TrainingModule
+from torchrig.trainer.optim_config import parse_optimizers
 from torchrig.tune.sweep import (
     Attribute,
     Restored,

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 from torchrig import arguments
 from torchrig.checkpoint.rng import capture_rng, restore_rng
 from torchrig.trainer import stages
-from torchrig.trainer.module import TrainingModule, parse_optimizers
+from torchrig.trainer.module import TrainingModule
+from torchrig.trainer.optim_config import parse_optimizers
 from torchrig.tune.sweep import Restored, cycled, one_optimizer, sweep_loader, train_batch
 
 if TYPE_CHECKING:
