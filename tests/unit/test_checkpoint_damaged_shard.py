@@ -2,7 +2,11 @@
 the shard files its own read plan names, so the other rank never sees the damage itself, yet both
 refuse the load (DCP gathers every rank's plan, and the check runs as each rank plans, before any
 rank reads), naming the damaged file, with no weight or moment changed on either rank. The ranks
-never disagree (one loading while the other raises). 2 gloo processes.
+never disagree (one loading while the other raises). Ranks that find different checkpoints at the
+path they were given (another process saved there between their looks: ``last`` moved, a name was
+replaced) are refused together the same way, instead of each filling its shards from its own
+checkpoint: each rank's read plan carries a digest of the ``meta.json`` it found. Here that race is
+made certain: rank 0 is given one checkpoint, rank 1 another. 2 gloo processes.
 
 Run by hand: ``python tests/unit/test_checkpoint_damaged_shard.py PHASE DIR`` with RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set.
@@ -32,13 +36,18 @@ def worker(phase: str, folder: Path) -> None:
     rig = torchrig.Rig(accelerator="cpu", devices=2, strategy="fsdp")
     model, optimizer = build(rig)
     step(rig, model, optimizer)
-    if phase == "save":
+    if phase.startswith("save"):
         rig.save(folder / "ck", {"model": model, "optimizer": optimizer, "step": 1})
+        if phase == "save-two":
+            step(rig, model, optimizer)
+            rig.save(folder / "other", {"model": model, "optimizer": optimizer, "step": 2})
         return
-    step(rig, model, optimizer)  # other weights than the checkpoint's
+    step(rig, model, optimizer)  # other weights than the checkpoints'
+    step(rig, model, optimizer)
     before = _whole(model, optimizer)
+    given = "last" if phase == "load" else ("ck" if rig.global_rank == 0 else "other")
     try:
-        rig.load(folder / "last", {"model": model, "optimizer": optimizer})
+        rig.load(folder / given, {"model": model, "optimizer": optimizer})
         outcome = "loaded"
     except torchrig.checkpoint.CheckpointError as err:
         outcome = str(err)
@@ -63,6 +72,26 @@ def test_a_shard_only_the_other_rank_reads_is_refused_on_both_ranks(tmp_path: Pa
         outcome = (tmp_path / f"outcome-{rank}.txt").read_text()
         assert outcome.startswith(f"checksum mismatch in {shard}: SHA-256 is "), (rank, outcome)
         assert "meta.json says" in outcome and "refusing to load it" in outcome, (rank, outcome)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.timeout(120)
+def test_ranks_that_find_different_checkpoints_are_refused_together(tmp_path: Path) -> None:
+    from test_checkpoint_distributed import launch
+
+    launch("save-two", tmp_path, script=__file__)
+    launch("mixed", tmp_path, script=__file__)
+    for rank in (0, 1):
+        outcome = (tmp_path / f"outcome-{rank}.txt").read_text()
+        assert outcome.startswith(f"the ranks found different checkpoints at {tmp_path / 'ck'} (ranks [0] one "), (
+            rank,
+            outcome,
+        )
+        assert outcome.endswith(
+            "another process saved there while they loaded it; nothing was loaded on any rank: load it again"
+        ), (rank, outcome)
 
 
 if __name__ == "__main__":
