@@ -236,12 +236,12 @@ def test_the_batch_size_is_inferred_from_the_first_tensor_and_said_when_it_canno
 
     sink = LogSink(MetricStore(device=torch.device("cpu")))
     assert sink.batch_size() == 1  # outside a batch (an epoch-end hook)
-    sink.at_batch({"ids": torch.zeros(3, 5, dtype=torch.long), "labels": [torch.zeros(3)]})
+    sink.batch = {"ids": torch.zeros(3, 5, dtype=torch.long), "labels": [torch.zeros(3)]}
     assert sink.batch_size() == 3
-    sink.at_batch(["no", "tensors"])
+    sink.batch = ["no", "tensors"]
     with pytest.warns(UserWarning, match="could not infer the batch size from a batch of type list"):
         assert sink.batch_size() == 1
-    sink.at_batch((torch.zeros(2, 4), torch.zeros(5)))
+    sink.batch = (torch.zeros(2, 4), torch.zeros(5))
     with pytest.warns(UserWarning, match="inferred the batch size 2 from the batch's first tensor, but its tensors"):
         assert sink.batch_size() == 2
 

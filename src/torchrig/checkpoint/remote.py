@@ -465,6 +465,8 @@ class Upload:
     def __init__(self, target: CheckpointURL, link: str | None) -> None:
         self.target, self.link = target, link
         self.version = begin(target, link)
+        self._fs, root = _filesystem(target)  # one file system for every upload of the save
+        self._prefix = f"{root}/{self.version}"
         self._pool = ThreadPoolExecutor(max_workers=_UPLOADS, thread_name_prefix="torchrig-upload")
         self._sent: list[Future[None]] = []
 
@@ -473,8 +475,7 @@ class Upload:
         self._sent.append(self._pool.submit(self._put, path))
 
     def _put(self, path: Path) -> None:
-        fs, root = _filesystem(self.target)
-        fs.put_file(str(path), f"{root}/{self.version}/{path.name}")
+        self._fs.put_file(str(path), f"{self._prefix}/{path.name}")
         path.unlink()
 
     def commit(self, staged: Path, meta: dict[str, Any], *, keep_last: int | None) -> None:

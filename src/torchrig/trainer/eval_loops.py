@@ -76,9 +76,9 @@ class EvalLoops(StepHooks):
         hook = _HOOK_STAGE[stage]
         start, end = self.hooks(f"on_{hook}_batch_start"), self.hooks(f"on_{hook}_batch_end")
         eval_end, extra = self.hooks("on_eval_batch_end"), () if idx is None else (idx,)
-        at_batch = self.sink.at_batch  # the sink of this loader's values
+        sink = self.sink  # the sink of this loader's values
         for batch_idx, batch in enumerate(self.transferred(loader, idx or 0)):
-            at_batch(batch)
+            sink.batch = batch
             for hook_fn in start:
                 hook_fn(batch, batch_idx, *extra)
             output = call(batch, batch_idx, idx) if with_idx else call(batch, batch_idx)
@@ -88,7 +88,7 @@ class EvalLoops(StepHooks):
                 hook_fn(stage, output, batch, batch_idx)
             if batch_idx + 1 >= n:
                 break
-        at_batch(None)  # the epoch-end hooks log outside any batch
+        sink.batch = None  # the epoch-end hooks log outside any batch
 
     def predict(self) -> list[Any] | None:
         """Predictions per batch, in dataset order, gathered from every process (None when

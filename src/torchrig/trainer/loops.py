@@ -226,11 +226,11 @@ class Run(StepRunner, EvalLoops):
         sparse, interval = self.sparse_batch_end()
         clock, timed, val_at_last = time.perf_counter, tr.max_time is not None, isinstance(tr.val_check_interval, float)
         poll, stop = self.signals.poll, 0
-        sink = self.sink  # the training step's (run_batches): its batch set inline, as LogSink.at_batch does
+        sink = self.sink  # the training step's (run_batches)
         for batch in self.transferred(batches, 0):
             is_last = batch_idx + 1 >= n or (ends is not None and ends.at_last_batch)
             self.is_last_batch = is_last
-            sink.batch, sink.size = batch, None
+            sink.batch = batch
             skip = False
             for hook in batch_start:
                 skip = hook(batch, batch_idx) == -1 or skip

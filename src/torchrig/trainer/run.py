@@ -65,35 +65,36 @@ class LogSink:
     store: MetricStore
     in_step: bool = False
     suffix: str = ""
-    #: The batch the loop is at (None outside a batch): the weight of a value logged without a
-    #: ``batch_size`` in an epoch mean is its size, as Lightning infers it (:meth:`batch_size`).
+    #: The batch the loop is at (None outside a batch), set by the loops: the weight of a value
+    #: logged without a ``batch_size`` in an epoch mean is its size, as Lightning infers it
+    #: (:meth:`batch_size`, worked out only when a log call needs it).
     batch: Any = None
-    size: int | None = None  # the batch's size, once asked for
-
-    def at_batch(self, batch: Any) -> None:
-        """The loop is at ``batch`` now (its size is worked out only when a log call needs it)."""
-        self.batch, self.size = batch, None
+    _sized: tuple[Any, int] = (None, 1)  # the batch whose size was worked out last, and that size
 
     def batch_size(self) -> int:
         """The size of the current batch: the first dimension of its first tensor (1 outside a
         batch or for a batch without tensors, with a warning for the latter)."""
-        if self.size is None:
-            sizes = iter(batch_sizes(self.batch)) if self.batch is not None else iter((1,))
-            size = next(sizes, None)
-            if size is None:
-                warnings.warn(
-                    f"self.log could not infer the batch size from a batch of type {type(self.batch).__name__} "
-                    "(no tensor in it); its values count once in the epoch mean: pass self.log(..., batch_size=n)",
-                    stacklevel=4,
-                )
-            elif any(other != size for other in sizes):
-                warnings.warn(
-                    f"self.log inferred the batch size {size} from the batch's first tensor, but its tensors "
-                    "differ in their first dimension: pass self.log(..., batch_size=n) to say which it is",
-                    stacklevel=4,
-                )
-            self.size = size or 1
-        return self.size
+        batch, (sized, size) = self.batch, self._sized
+        if batch is None:
+            return 1
+        if batch is sized:
+            return size
+        sizes = batch_sizes(batch)
+        first = next(sizes, None)
+        if first is None:
+            warnings.warn(
+                f"self.log could not infer the batch size from a batch of type {type(batch).__name__} "
+                "(no tensor in it); its values count once in the epoch mean: pass self.log(..., batch_size=n)",
+                stacklevel=4,
+            )
+        elif any(other != first for other in sizes):
+            warnings.warn(
+                f"self.log inferred the batch size {first} from the batch's first tensor, but its tensors "
+                "differ in their first dimension: pass self.log(..., batch_size=n) to say which it is",
+                stacklevel=4,
+            )
+        self._sized = (batch, first or 1)
+        return first or 1
 
 
 class RunState:
@@ -247,8 +248,7 @@ class RunState:
     def log_to_loggers(self, metrics: dict[str, Any]) -> None:
         """Send one row to every logger at the current global step (and keep it as ``logged_metrics``)."""
         self.logged = metrics
-        self.logged_all.update(metrics)
-        self.logged_all.pop("epoch", None)  # the loggers' x-axis, not a logged value
+        self.logged_all.update(metrics)  # (with the rows' ``epoch``, left out where it is read)
         step = self.trainer.fit_state.global_step
         for lg in self.trainer.loggers:
             lg.log_metrics(metrics, step=step)

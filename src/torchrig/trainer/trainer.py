@@ -324,6 +324,7 @@ class Trainer:
         run = self.run
         stores = (run.train_metrics, run.eval_metrics) if run.shows_training else (run.eval_metrics,)
         out = dict(run.logged_all)
+        out.pop("epoch", None)  # the loggers' x-axis, not a logged value
         for store in stores:
             out.update(store.step_values(for_logger=True))
         return out
